@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
-DEMO_FLAGS ?= --max_steps 300 --val_freq 20 --ds_set zero_optimization.stage3_param_persistence_threshold=0
+DEMO_FLAGS ?= --val_freq 20 --ds_set zero_optimization.stage3_param_persistence_threshold=0
 
 .PHONY: venv demo test bench clean
 venv: $(VENV)/.installed

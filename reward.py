@@ -6,13 +6,32 @@ as keyword lists (`solution`, plus any extra JSONL field), and returns one float
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
 
+    accuracy        1/0: multiple-choice letter, number, math (math-verify) or plain string match
+    format          1/0: `<think>...</think><answer>...</answer>`
+    iou             0..1: IoU of the answer's box with the `solution` box (optional columns
+                    `image_size`, `seen_size` rescale the solution to the image the model saw)
+    length_penalty  -1..0: DAPO's soft overlong punishment (columns `completion_length`,
+                    `max_completion_length`, optional `overlong_buffer`)
+
 A function that raises or returns None/NaN is counted in `reward/<name>_failures` and scores 0
-for that completion; the run goes on. Left out on purpose: registries, reward models.
+for that completion; the run goes on. Left out on purpose: registries, reward models, partial
+credit in accuracy (a near miss scores 0), and a wall-clock limit on math-verify outside the main thread (its
+limit is signal.alarm, which only works there).
 """
 import math
 import re
+import threading
+
+import math_verify
+from math_verify.errors import TimeoutException
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+CHOICE = re.compile(r"\(?([A-E])[).]?")                      # a whole multiple-choice answer: B, (B), B.
+LETTER = re.compile(r"(?<![A-Za-z0-9])([A-E])(?![A-Za-z0-9])")  # a capital standing alone ("I think B")
+NUMBER = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?%?")
+LATEX = re.compile(r"[$\\^]")
+# Box coordinates: a number not glued to a word, so the 2 of Qwen2.5-VL's "bbox_2d" key is skipped.
+COORD = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
 
 
 def extract_answer(text):
@@ -25,9 +44,63 @@ def normalize(s):
     return re.sub(r"\s+", " ", str(s).strip().lower().rstrip(".")).strip()
 
 
+def to_number(s):
+    """"-1,234.5", "50%", "1e3" -> float (the % is dropped: "50%" == "50"); None for anything
+    else, units included ("3 apples" is not a number here)."""
+    s = normalize(s)
+    return float(s.replace(",", "").rstrip("%")) if NUMBER.fullmatch(s) else None
+
+
+def math_parse(s, timeout):
+    """math-verify's parse. It reads LaTeX only inside $...$ or \\boxed{}: bare `\\sqrt 2` or
+    `1+x^2` come out as the number 2 or 1, so bare LaTeX is read wrapped in $...$ first."""
+    if "$" not in s and "\\boxed" not in s and re.search(r"[\\^]", s):
+        wrapped = math_verify.parse(f"${s}$", parsing_timeout=timeout)
+        if any(not isinstance(p, str) for p in wrapped):
+            return wrapped
+    return math_verify.parse(s, parsing_timeout=timeout)
+
+
+def is_whole_expression(s, parsed):
+    """math-verify picks the last number out of prose: "3 cats" parses to 3. Such a solution is
+    text, not math, or "3 dogs" would score 1."""
+    squash = lambda t: re.sub(r"\s+", "", t)
+    return any(isinstance(p, str) and squash(p) == squash(s) for p in parsed)
+
+
+def accuracy_one(answer, solution, timeout):
+    if not answer:
+        return 0.0
+    choice = CHOICE.fullmatch(solution.strip())
+    if choice:  # a capital, so "(B) because..." counts and a lower-case article "a" does not
+        mine = CHOICE.fullmatch(answer.upper()) or LETTER.search(answer)
+        return float(bool(mine) and mine.group(1) == choice.group(1))
+    gold, mine = to_number(solution), to_number(answer)
+    if gold is not None and mine is not None:
+        return float(abs(mine - gold) <= (1e-4 * abs(gold) if gold else 1e-6))
+    try:
+        gold = math_parse(solution, timeout)
+        if gold and (LATEX.search(solution) or is_whole_expression(solution, gold)):
+            if math_verify.verify(gold, math_parse(answer, timeout), timeout_seconds=timeout):
+                return 1.0
+    except (Exception, TimeoutException):  # sympy can choke on odd input: a wrong answer, not a dead run
+        return 0.0
+    return float(normalize(answer) == normalize(solution))  # math-verify also misses e.g. \text{red}
+
+
 def accuracy(completions, solution, **kwargs):
-    """1.0 when the answer equals the solution after normalising case, spaces, a final period."""
-    return [float(normalize(extract_answer(c)) == normalize(s)) for c, s in zip(completions, solution)]
+    """1/0 for the answer (the last <answer>...</answer>, else the whole completion) against the
+    solution, by the first rule that applies:
+    - a solution A-E ("B", "(B)", "B."): the answer's first standalone capital A-E (or a lone letter);
+    - two numbers: equal within a relative 1e-4 (1e-6 absolute around 0);
+    - a LaTeX solution ($, \\, ^), or one math-verify reads whole: math_verify.verify, so
+      \\frac{1}{2} == 0.5 (it takes the last number of a prose answer: "3 apples" == "3");
+    - else, or when math-verify says no: string equality after lower-casing, collapsing spaces
+      and dropping a final period."""
+    # math-verify's time limit is signal.alarm: it raises outside the main thread, so off there.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    return [None if s is None else accuracy_one(extract_answer(c), str(s), timeout)
+            for c, s in zip(completions, solution)]
 
 
 def format(completions, **kwargs):
@@ -37,7 +110,63 @@ def format(completions, **kwargs):
     return [float(bool(pattern.match(c)) and all(c.count(t) == 1 for t in tags)) for c in completions]
 
 
-REWARDS = {"accuracy": accuracy, "format": format}
+def box_of(value):
+    """[x1, y1, x2, y2] from a list of 4 numbers or the first four numbers of a text ("[1, 2, 3, 4]",
+    "(1,2),(3,4)", "<|box_start|>(1,2),(3,4)<|box_end|>", '{"bbox_2d": [1,2,3,4]}'); None if
+    there are fewer, or the box is empty (x2 <= x1 or y2 <= y1)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        nums = [float(v) for v in value]
+    else:  # text, or a list of strings / a nested list: read its printed form
+        nums = [float(v) for v in COORD.findall(str(value))[:4]]
+    ok = len(nums) == 4 and all(map(math.isfinite, nums)) and nums[2] > nums[0] and nums[3] > nums[1]
+    return nums if ok else None
+
+
+def box_iou(a, b):
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    area = lambda r: (r[2] - r[0]) * (r[3] - r[1])
+    return w * h / (area(a) + area(b) - w * h)
+
+
+def iou(completions, solution, image_size=None, seen_size=None, **kwargs):
+    """IoU of the answer's box with the solution box, in [0, 1]; 0.0 for a missing, unreadable
+    or empty box (x2 <= x1 or y2 <= y1). The IoU itself is the reward, as in VLM-R1, not 1 above
+    a 0.5 threshold: a 0.45 box still beats a 0.1 box, so a group of poor boxes still has signal.
+
+    The model answers in pixels of the image it was shown, which the processor may have
+    downscaled: with `image_size` (the original [width, height]) and `seen_size` (the shown
+    [width, height]) the solution box is scaled by seen/original first. Without them the two
+    are taken to be the same. A solution that is not a box is a data error: None (a failure)."""
+    n = len(completions)
+    image_size, seen_size = image_size or [None] * n, seen_size or [None] * n
+    out = []
+    for c, s, orig, seen in zip(completions, solution, image_size, seen_size):
+        gold, mine = box_of(s), box_of(extract_answer(c))
+        if gold is not None and orig and seen:
+            sx, sy = seen[0] / orig[0], seen[1] / orig[1]
+            gold = [gold[0] * sx, gold[1] * sy, gold[2] * sx, gold[3] * sy]
+        out.append(None if gold is None else box_iou(gold, mine) if mine else 0.0)
+    return out
+
+
+# DAPO, "Overlong Reward Shaping" (Yu et al. 2025, arXiv 2503.14476): a completion cut at the limit
+# is punished instead of being scored on a truncated answer, and the ramp before it warns softly.
+def length_penalty(completions, completion_length, max_completion_length, overlong_buffer=None, **kwargs):
+    """0 up to max - buffer tokens, then linearly down to -1 at max, -1 beyond; buffer defaults
+    to 0.2 * max. Lengths are tokens, given per completion."""
+    buffers = overlong_buffer or [None] * len(completions)
+    out = []
+    for length, limit, buf in zip(completion_length, max_completion_length, buffers):
+        buf = 0.2 * limit if buf is None else buf
+        if length <= limit - buf:
+            out.append(0.0)
+        else:
+            out.append(-1.0 if length >= limit else (limit - buf - length) / buf)
+    return out
+
+
+REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty}
 
 
 def compute_rewards(names, weights, completions, columns):

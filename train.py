@@ -90,7 +90,9 @@ p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed confi
 p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
-TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=4, max_steps=200,
+# One completion token: a random-init policy that must also learn to stop after the word almost
+# never scores under the exact-match reward (p ~ 1e-4 per sample), so there would be no signal.
+TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300,
                      val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0)
 if "--model" not in " ".join(sys.argv):
     p.set_defaults(**TINY_DEFAULTS)
@@ -510,8 +512,30 @@ def main():
             run_validation(step)
 
     if master:
-        print(f"[done] metrics: {metrics_path}")
+        png = plot_rewards(metrics_path)
+        print(f"[done] metrics: {metrics_path}  plot: {png}")
     dist.barrier()
+
+
+def plot_rewards(metrics_path):
+    """Train reward (sampled) and validation reward (greedy) against step, next to metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(metrics_path)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key, alpha=0.6 if key == "reward/mean" else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    png = os.path.join(os.path.dirname(metrics_path), "reward.png")
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    return png
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Reward functions: literal completions, exact expected rewards."""
 import math
+import threading
 
 import pytest
+from math_verify.errors import TimeoutException
 
 import reward
 
@@ -21,6 +23,74 @@ def test_accuracy(completion, solution, expected):
     assert reward.accuracy([completion], [solution]) == [expected]
 
 
+@pytest.mark.parametrize("completion,solution,expected", [
+    # multiple choice: the first standalone capital A-E of the answer
+    ("<answer>B</answer>", "B", 1.0),
+    ("<answer>(b)</answer>", "B", 1.0),
+    ("<answer>B) 42 apples</answer>", "(B)", 1.0),
+    ("<answer>I think C, not B</answer>", "B.", 0.0),
+    ("<answer>Because of Bob, B</answer>", "B", 1.0),           # "Bob" is not a standalone letter
+    ("<answer>A dog, so C</answer>", "C", 0.0),                 # a leading article "A" is read as the letter
+    ("<answer>2</answer>", "B", 0.0),                           # letters vs numbers
+    ("<answer>B</answer>", "2", 0.0),
+    ("<answer></answer>", "A", 0.0),
+    # numbers: commas, %, relative 1e-4, absolute 1e-6 around 0
+    ("<answer>1,234</answer>", "1234", 1.0),
+    ("<answer>1234.05</answer>", "1,234", 1.0),
+    ("<answer>1234.2</answer>", "1,234", 0.0),
+    ("<answer>50%</answer>", "50", 1.0),
+    ("<answer>-0.0000005</answer>", "0", 1.0),
+    ("<answer>0.00001</answer>", "0", 0.0),
+    ("<answer>3.</answer>", "3", 1.0),
+    ("<answer>1,23</answer>", "123", 0.0),                      # not a thousands separator
+    ("<answer>NaN</answer>", "3", 0.0),
+    ("<answer>nan</answer>", "nan", 1.0),                       # not a number: plain text match
+    ("<answer>inf</answer>", "inf", 1.0),
+    # math-verify
+    ("<answer>0.5</answer>", r"\frac{1}{2}", 1.0),
+    (r"<answer>\frac{1}{2}</answer>", "0.5", 1.0),
+    (r"<answer>\frac{2}{4}</answer>", r"$\frac{1}{2}$", 1.0),
+    (r"<answer>\frac{1}{3}</answer>", r"\frac{1}{2}", 0.0),
+    ("<answer>1/2</answer>", "0.5", 1.0),
+    (r"<think>so</think><answer>\boxed{\frac{1}{2}}</answer>", "1/2", 1.0),
+    (r"The answer is $\boxed{0.5}$.", r"\boxed{\frac{1}{2}}", 1.0),  # no tags: the whole completion
+    (r"<answer>\sqrt 2</answer>", r"\sqrt{2}", 1.0),
+    ("<answer>1+x^2</answer>", "x^2+1", 1.0),
+    ("<answer>x^2+2</answer>", "x^2+1", 0.0),
+    ("<answer>3 apples</answer>", "3", 1.0),                    # math-verify takes the number
+    ("<answer>3 dogs</answer>", "3 cats", 0.0),                 # a text solution stays text
+    ("<answer>3 cats</answer>", "3 cats", 1.0),
+    (r"<answer>\text{red}</answer>", r"\text{red}", 1.0),
+    ("<answer>red</answer>", r"\frac{1}{2}", 0.0),
+    (r"<answer>\frac{1}{</answer>", r"\frac{1}{2}", 0.0),       # malformed LaTeX
+    ("<answer>", "0.5", 0.0),                                   # unclosed tag: whole completion
+])
+def test_accuracy_choices_numbers_math(completion, solution, expected):
+    assert reward.accuracy([completion], [solution]) == [expected]
+
+
+def test_accuracy_missing_solution_is_a_failure():
+    assert reward.accuracy(["<answer>1</answer>", "1"], [None, 1]) == [None, 1.0]
+
+
+@pytest.mark.parametrize("error", [RecursionError("sympy"), TimeoutException("slow")])
+def test_accuracy_math_verify_errors_score_zero(monkeypatch, error):
+    def boom(*a, **kw):
+        raise error
+    monkeypatch.setattr(reward.math_verify, "verify", boom)
+    completions = [r"<answer>\frac{1}{2}</answer>", "<answer>red</answer>"]
+    assert reward.accuracy(completions, [r"\frac{1}{2}", "red"]) == [0.0, 1.0]
+
+
+def test_accuracy_off_the_main_thread():
+    # math-verify's time limit is signal.alarm, which raises outside the main thread
+    out = []
+    t = threading.Thread(target=lambda: out.append(reward.accuracy(["0.5", "2"], [r"\frac{1}{2}", "x^2"])))
+    t.start()
+    t.join()
+    assert out == [[1.0, 0.0]]
+
+
 @pytest.mark.parametrize("completion,expected", [
     ("<think>a</think><answer>b</answer>", 1.0),
     ("<think>a</think>\n<answer>b</answer>\n", 1.0),
@@ -31,6 +101,75 @@ def test_accuracy(completion, solution, expected):
 ])
 def test_format(completion, expected):
     assert reward.format([completion]) == [expected]
+
+
+@pytest.mark.parametrize("completion,solution,expected", [
+    ("<answer>[0, 0, 10, 10]</answer>", [0, 0, 10, 10], 1.0),
+    ("<answer>[0, 0, 10, 10]</answer>", "[0, 0, 10, 10]", 1.0),
+    ("<answer>(0,0),(10,10)</answer>", [0, 0, 10, 10], 1.0),
+    ("<|box_start|>(0,0),(10,10)<|box_end|>", [0, 0, 10, 10], 1.0),
+    ('<answer>[{"bbox_2d": [0, 0, 10, 10], "label": "cat"}]</answer>', [0, 0, 10, 10], 1.0),
+    ("<answer>x1=0 y1=0 x2=10 y2=10</answer>", [0, 0, 10, 10], 1.0),
+    ("<answer>[0, 0, 10, 5]</answer>", [0, 0, 10, 10], 0.5),
+    ("<answer>[5, 0, 15, 10]</answer>", [0, 0, 10, 10], 50 / 150),
+    ("<answer>[20, 20, 30, 30]</answer>", [0, 0, 10, 10], 0.0),   # no overlap
+    ("<answer>[0.0, 0.0, 2.5, 2.0]</answer>", [0, 0, 5, 2], 0.5),
+    ("<answer>[10, 0, 0, 10]</answer>", [0, 0, 10, 10], 0.0),     # x2 <= x1
+    ("<answer>[0, 0, 10, 0]</answer>", [0, 0, 10, 10], 0.0),      # y2 <= y1
+    ("<answer>[0, 0, 10]</answer>", [0, 0, 10, 10], 0.0),
+    ("<answer>the cat on the left</answer>", [0, 0, 10, 10], 0.0),
+    ("<answer>[nan, nan, nan, nan]</answer>", [0, 0, 10, 10], 0.0),
+    ("<answer></answer>", [0, 0, 10, 10], 0.0),
+    ("", [0, 0, 10, 10], 0.0),
+    ("<answer>[0, 0, 10, 10]</answer>", "no box", None),           # a broken solution is a failure
+    ("<answer>[0, 0, 10, 10]</answer>", [5, 5, 5, 9], None),
+    ("<answer>[0, 0, 10, 10]</answer>", [0, 0, 10, 10, 3], None),
+    ("<answer>[0, 0, 10, 10]</answer>", [[0, 0, 10, 10]], 1.0),     # nested: read as text
+])
+def test_iou(completion, solution, expected):
+    assert reward.iou([completion], [solution]) == [expected]
+
+
+@pytest.mark.parametrize("completion,solution,image_size,seen_size,expected", [
+    # the model saw a half-size image: the solution [0, 0, 200, 100] becomes [0, 0, 100, 50]
+    ("<answer>[0, 0, 100, 50]</answer>", [0, 0, 200, 100], [400, 200], [200, 100], 1.0),
+    ("<answer>[0, 0, 200, 100]</answer>", [0, 0, 200, 100], [400, 200], [200, 100], 0.25),
+    ("<answer>[0, 0, 200, 100]</answer>", [0, 0, 200, 100], None, None, 1.0),
+    ("<answer>[0, 0, 200, 100]</answer>", [0, 0, 200, 100], [400, 200], None, 1.0),   # needs both
+    # width and height scale apart: [0, 0, 100, 100] in 1000x500 seen at 500x400 -> [0, 0, 50, 80]
+    ("<answer>[0, 0, 50, 80]</answer>", "[0, 0, 100, 100]", [1000, 500], [500, 400], 1.0),
+])
+def test_iou_rescales_to_the_seen_image(completion, solution, image_size, seen_size, expected):
+    assert reward.iou([completion], [solution], image_size=[image_size], seen_size=[seen_size]) == [expected]
+
+
+@pytest.mark.parametrize("length,limit,buffer,expected", [
+    (0, 100, None, 0.0),
+    (80, 100, None, 0.0),        # max - 0.2 * max: the ramp starts after it
+    (90, 100, None, -0.5),
+    (95, 100, None, -0.75),
+    (100, 100, None, -1.0),
+    (150, 100, None, -1.0),
+    (60, 100, 50, -0.2),
+    (50, 100, 50, 0.0),
+    (100, 100, 0, 0.0),          # no buffer: only past the limit
+    (101, 100, 0, -1.0),
+])
+def test_length_penalty(length, limit, buffer, expected):
+    assert reward.length_penalty(["x"], completion_length=[length], max_completion_length=[limit],
+                                 overlong_buffer=[buffer]) == [pytest.approx(expected)]
+
+
+def test_length_penalty_buffer_column_is_optional():
+    assert reward.length_penalty(["a", "b"], completion_length=[10, 95], max_completion_length=[100, 100]) \
+        == [0.0, pytest.approx(-0.75)]
+
+
+def test_new_rewards_are_registered_and_combine():
+    total, scores, failures = reward.compute_rewards(
+        ["iou", "length_penalty"], [1.0, 0.5], ["<answer>[0, 0, 10, 5]</answer>"],
+        {"solution": [[0, 0, 10, 10]], "completion_length": [100], "max_completion_length": [100]})
+    assert (total, failures) == ([0.5 - 0.5], {"iou": 0, "length_penalty": 0})
 
 
 def test_combine_weights_and_failures(monkeypatch):
