@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import random
+import re
+import shutil
 import sys
 import time
 import types
@@ -77,14 +79,23 @@ p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images
 p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
 p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
 p.add_argument("--logprob_chunk_tokens", type=int, default=1024, help="tokens per chunk of float32 logits")
+p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
+p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
+p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the host-RAM estimate does not fit")
 # run
 p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
 p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
 p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
+p.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
 p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
 p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
 p.add_argument("--run_name", default=None, help="wandb run name")
 p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
+p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
+p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
+p.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
 p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
 p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
 p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -165,6 +176,12 @@ class PromptStream:
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
         self.epoch, self.cursor, self.skipped = 0, 0, 0
 
+    def state(self):
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped}
+
+    def load(self, st):
+        self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
+
     def next(self, n):
         out = []
         while len(out) < n:
@@ -241,6 +258,10 @@ def ds_config(args, gas, world, bf16):
                                                     "weight_decay": args.weight_decay}}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
                                                        "warmup_num_steps": max(1, args.warmup_steps), "warmup_type": "linear"}}
+    if args.offload_optimizer or args.offload_model:
+        # DeepSpeed's offload_states cannot move states that static offload already put on CPU.
+        zo = cfg.setdefault("zero_optimization", {})
+        zo["offload_param"], zo["offload_optimizer"] = {"device": "none"}, {"device": "none"}
     for item in args.ds_set:
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")
@@ -314,6 +335,67 @@ def validate(llm, val_samples, processor, args, tp_group, tp, allowed):
     return m, list(zip([s["where"] for s in val_samples], texts, total))
 
 
+# ----------------------------------------------------------------------------- checkpoints
+def rng_state():
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st):
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st:
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(engine, args, step, stream, run_id, rank):
+    """Full state in output_dir/checkpoint-<step>: ZeRO-3 shards with optimizer and scheduler
+    (DeepSpeed's save_checkpoint), every rank's RNG and data position, step, flags, wandb id.
+    Written to checkpoint-<step>.tmp and renamed last, so a crash mid-save never leaves a
+    directory that resume would pick as complete."""
+    final = os.path.join(args.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    engine.save_checkpoint(tmp, tag="zero")
+    torch.save({"rng": rng_state(), "stream": stream.state()}, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "wandb_id": run_id, "args": vars(args)}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)   # the commit point
+        for old in list_checkpoints(args.output_dir)[:-args.save_total_limit or None]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints (renamed from .tmp, with trainer_state.json), oldest first."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.exists(os.path.join(output_dir, name, "trainer_state.json")):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def export_model(engine, processor, out_dir, master):
+    """HF-format model (safetensors + processor + chat template) that transformers and vLLM load.
+    The full state dict is gathered from the ZeRO-3 shards onto rank 0 (a collective)."""
+    state_dict = engine._zero3_consolidated_16bit_state_dict()
+    if master:
+        engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        processor.save_pretrained(out_dir)
+    dist.barrier()
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     global DEVICE
@@ -322,6 +404,7 @@ def main():
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoProcessor
     from transformers.integrations import HfDeepSpeedConfig
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
     from vllm import SamplingParams
 
     deepspeed.init_distributed()
@@ -345,8 +428,21 @@ def main():
     dtype = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(args.output_dir, exist_ok=True)
 
-    # ---- model, reference, optimizer under ZeRO-3
+    # ---- host-RAM preflight, before anything is loaded
     cfg = ds_config(args, gas, world, bf16)
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    with torch.device("meta"):
+        n_params = sum(t.numel() for t in AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(args.model)).parameters())
+    zo = cfg.get("zero_optimization", {})
+    estimate = memory.estimate_host_memory(
+        n_params, int(os.environ.get("LOCAL_SIZE", world)), world, 2 if bf16 else 4,
+        zo.get("offload_param", {}).get("device") == "cpu", zo.get("offload_optimizer", {}).get("device") == "cpu",
+        args.sleep_level, args.beta, args.ref_offload, torch.cuda.is_available())
+    report = memory.preflight(estimate, memory.psutil.virtual_memory().available, allow=args.skip_memory_preflight)
+    if master:
+        print(f"[memory] {n_params / 1e6:.1f}M parameters; host RAM this node will need:\n{report}")
+
+    # ---- model, reference, optimizer under ZeRO-3
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  must stay alive: from_pretrained then loads partitioned
     processor = AutoProcessor.from_pretrained(args.model)
     ip = processor.image_processor
@@ -359,7 +455,9 @@ def main():
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ref_engine = None
     if args.beta > 0:
-        ref_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scheduler")}
+        ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k not in ("optimizer", "scheduler")}))
+        if args.ref_offload:
+            ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         ref_engine, *_ = deepspeed.initialize(model=load_model(args.model, args, dtype), config=ref_cfg)
         ref_engine.eval()
 
@@ -387,14 +485,31 @@ def main():
             except ValueError as e:
                 print(f"[data] validation: skipped {e}")
 
+    # ---- resume: weights, optimizer, scheduler, step, data position, RNG, wandb run
+    start, run_id = 0, None
+    ckpt = {"auto": (list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
+    if ckpt:
+        engine.load_checkpoint(ckpt, tag="zero")
+        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+            st = json.load(f)
+        start, run_id = st["step"], st["wandb_id"]
+        mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
+        set_rng_state(mine["rng"])
+        stream.load(mine["stream"])
+        if master:
+            print(f"[resume] from {ckpt}: step {start}")
+
     # ---- logging
     import wandb
     run = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
+                     id=run_id, resume="allow",
                      mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
                      if master and args.report_to == "wandb" else "disabled")
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if master:
-        open(metrics_path, "w").close()
+    if master:   # continue without duplicated steps: drop rows written after the checkpoint
+        rows = open(metrics_path).readlines() if start and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(r for r in rows if json.loads(r)["step"] <= start)
         print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
               f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {metrics_path}")
 
@@ -418,98 +533,126 @@ def main():
         return m
 
     from tqdm import tqdm
-    if val_samples and args.val_before_train:
-        run_validation(0)
-    bar = tqdm(range(1, args.max_steps + 1), disable=not master, desc="grpo", dynamic_ncols=True)
-    for step in bar:
-        m = {}
-        t_step = time.perf_counter()
-        # ---- 1. sample prompts; images are loaded and downscaled once, here
-        with memory.phase("data", m):
-            samples = stream.next(per_rank)
+    if val_samples and (args.val_only or args.val_before_train and start == 0):
+        run_validation(start)
+    if args.val_only:
+        return
+    offload = ([OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads,
+                OffloadStateTypeEnum.contiguous_grad_buffer] if args.offload_optimizer else []) + \
+        ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
+    bar = tqdm(range(start + 1, args.max_steps + 1), disable=not master, desc="grpo", dynamic_ncols=True,
+               initial=start, total=args.max_steps)
+    m = {}
+    try:
+        for step in bar:
+            m = {}
+            t_step = time.perf_counter()
+            # ---- 1. sample prompts; images are loaded and downscaled once, here
+            with memory.phase("data", m):
+                samples = stream.next(per_rank)
 
-        # ---- 2. rollout: sync the new weights into vLLM, then generate
-        with memory.phase("sync", m):
-            rollout.wake(llm, args.sleep_level, ["weights"])
-            m["sync/largest_bucket_mb"] = rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied) / 2 ** 20
-        with memory.phase("rollout", m):
-            rollout.wake(llm, args.sleep_level, ["kv_cache"])
-            sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                                  max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=allowed,
-                                  seed=hash((args.seed, step, rank, i)) % 2 ** 31) for i in range(len(samples))]
-            outs = run_vllm(llm, samples, sps, tp_group, tp)
-            rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-        seq_samples = [s for s in samples for _ in range(args.num_generations)]   # (N,) prompt of each sequence
-        comps = [c for o in outs for c in o.outputs]                              # (N,) completions
-        comp_ids = [list(c.token_ids) for c in comps]
-        vllm_logps = [[next(iter(d.values())).logprob for d in c.logprobs] for c in comps]
-        if not all(np.isfinite(v).all() for v in vllm_logps):
-            raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
+            # ---- 2. rollout: sync the new weights into vLLM, then generate
+            with memory.phase("sync", m):
+                rollout.wake(llm, args.sleep_level, ["weights"])
+                m["sync/largest_bucket_mb"] = rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied) / 2 ** 20
+            if offload:   # trainer states off the GPU while vLLM generates (after the sync, which needs them)
+                with memory.phase("offload", m):
+                    engine.offload_states(include=offload)
+                    if args.gc_collect_after_offload:
+                        m["offload/freed_gb"] = memory.free() / 2 ** 30
+            with memory.phase("rollout", m):
+                rollout.wake(llm, args.sleep_level, ["kv_cache"])
+                sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
+                                      max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=allowed,
+                                      seed=hash((args.seed, step, rank, i)) % 2 ** 31) for i in range(len(samples))]
+                outs = run_vllm(llm, samples, sps, tp_group, tp)
+                rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
+            if offload:
+                with memory.phase("reload", m):
+                    engine.reload_states()
+            seq_samples = [s for s in samples for _ in range(args.num_generations)]   # (N,) prompt of each sequence
+            comps = [c for o in outs for c in o.outputs]                              # (N,) completions
+            comp_ids = [list(c.token_ids) for c in comps]
+            vllm_logps = [[next(iter(d.values())).logprob for d in c.logprobs] for c in comps]
+            if not all(np.isfinite(v).all() for v in vllm_logps):
+                raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
 
-        # ---- 3. rewards
-        with memory.phase("reward", m):
-            texts = processor.tokenizer.batch_decode(comp_ids, skip_special_tokens=True)
-            cols = {k: [s["columns"].get(k) for s in seq_samples] for k in samples[0]["columns"]}
-            total, scores, failures = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
-        rewards = torch.tensor(total, dtype=torch.float32)                        # (N,)
+            # ---- 3. rewards
+            with memory.phase("reward", m):
+                texts = processor.tokenizer.batch_decode(comp_ids, skip_special_tokens=True)
+                cols = {k: [s["columns"].get(k) for s in seq_samples] for k in samples[0]["columns"]}
+                total, scores, failures = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
+            rewards = torch.tensor(total, dtype=torch.float32)                        # (N,)
 
-        # ---- 4. advantages per group of num_generations
-        advantages, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (N,)
+            # ---- 4. advantages per group of num_generations
+            advantages, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (N,)
 
-        # ---- 5. old / reference log-probs, no grad, micro-batched
-        mb = args.per_device_train_batch_size
-        batches = [collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned) for i in range(0, len(comps), mb)]
-        n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
-        dist.all_reduce(n_tokens)
-        norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
-        with memory.phase("old_ref_logps", m):
-            old = forward_logps(engine, batches, args) if args.num_iterations > 1 else None
-            ref = forward_logps(ref_engine, batches, args) if ref_engine is not None else None
+            # ---- 5. old / reference log-probs, no grad, micro-batched
+            mb = args.per_device_train_batch_size
+            batches = [collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned) for i in range(0, len(comps), mb)]
+            n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
+            dist.all_reduce(n_tokens)
+            norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
+            with memory.phase("old_ref_logps", m):
+                old = forward_logps(engine, batches, args) if args.num_iterations > 1 else None
+                ref = forward_logps(ref_engine, batches, args) if ref_engine is not None else None
 
-        # ---- 6. update: num_iterations optimizer steps over the rollout batch
-        with memory.phase("update", m):
-            engine.train()
-            stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
-            for it in range(args.num_iterations):
-                for j, b in enumerate(batches):
-                    logps = engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
-                    cmask = b["completion_mask"].to(DEVICE)
-                    old_j = old[j] if old is not None else logps.detach()
-                    if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
-                        diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), vllm_logps[j * mb:(j + 1) * mb],
-                                                                    cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
-                        m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
-                    loss, lm = grpo.grpo_loss(logps, old_j, advantages[j * mb:(j + 1) * mb].to(DEVICE), cmask,
-                                              args.epsilon, args.epsilon_high, args.beta,
-                                              ref[j] if ref is not None else None, args.loss_agg, norm_tokens)
-                    engine.backward(loss)
-                    engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
-                    k = 1.0 / (len(batches) * args.num_iterations)
-                    stats["loss"] += loss.item() * (1 if args.loss_agg == "token" else k)
-                    stats["clip_frac"] += lm["clip_frac"] * k
-                    stats["kl"] += lm["kl"] * k
-            stats["loss"] /= args.num_iterations if args.loss_agg == "token" else 1
-            grad_norm = engine.get_global_grad_norm()
+            # ---- 6. update: num_iterations optimizer steps over the rollout batch
+            with memory.phase("update", m):
+                engine.train()
+                stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+                for it in range(args.num_iterations):
+                    for j, b in enumerate(batches):
+                        logps = engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
+                        cmask = b["completion_mask"].to(DEVICE)
+                        old_j = old[j] if old is not None else logps.detach()
+                        if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
+                            diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), vllm_logps[j * mb:(j + 1) * mb],
+                                                                        cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
+                            m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
+                        loss, lm = grpo.grpo_loss(logps, old_j, advantages[j * mb:(j + 1) * mb].to(DEVICE), cmask,
+                                                  args.epsilon, args.epsilon_high, args.beta,
+                                                  ref[j] if ref is not None else None, args.loss_agg, norm_tokens)
+                        engine.backward(loss)
+                        engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
+                        k = 1.0 / (len(batches) * args.num_iterations)
+                        stats["loss"] += loss.item() * (1 if args.loss_agg == "token" else k)
+                        stats["clip_frac"] += lm["clip_frac"] * k
+                        stats["kl"] += lm["kl"] * k
+                stats["loss"] /= args.num_iterations if args.loss_agg == "token" else 1
+                grad_norm = engine.get_global_grad_norm()
 
-        # ---- 7. log (all ranks compute, rank 0 writes)
-        lengths = [len(c) for c in comp_ids]
-        m.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
-                  "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
-                  "completion/truncated": float(np.mean([c.finish_reason == "length" for c in comps])),
-                  "data/skipped": stream.skipped, **{f"train/{k}": v for k, v in stats.items()},
-                  "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                  "train/lr": engine.get_lr()[0], "time/step": time.perf_counter() - t_step})
-        for name in args.reward_funcs:
-            m[f"reward/{name}"] = float(np.mean(scores[name]))
-            m[f"reward/{name}_failures"] = failures[name]
-        m = reduce_metrics(m)
-        log(m, step)
-        if master:
-            bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
+            # ---- 7. log (all ranks compute, rank 0 writes)
+            lengths = [len(c) for c in comp_ids]
+            m.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                      "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
+                      "completion/truncated": float(np.mean([c.finish_reason == "length" for c in comps])),
+                      "data/skipped": stream.skipped, **{f"train/{k}": v for k, v in stats.items()},
+                      "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                      "train/lr": engine.get_lr()[0], "time/step": time.perf_counter() - t_step})
+            for name in args.reward_funcs:
+                m[f"reward/{name}"] = float(np.mean(scores[name]))
+                m[f"reward/{name}_failures"] = failures[name]
+            m = reduce_metrics(m)
+            log(m, step)
+            if master:
+                bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
 
-        # ---- 8. validate
-        if val_samples and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
-            run_validation(step)
+            # ---- 8. validate
+            if val_samples and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
+                with memory.phase("validation", m):
+                    run_validation(step)
+
+            # ---- 9. checkpoint
+            if args.save_steps and step % args.save_steps == 0:
+                with memory.phase("checkpoint", m):
+                    save_checkpoint(engine, args, step, stream, run.id, rank)
+    except BaseException as e:   # an OOM anywhere: say where and what to change, keep the checkpoints
+        if memory.is_oom(e):
+            sys.exit(memory.report_oom(e, table=m))
+        raise
+    if args.save_final_model:
+        export_model(engine, processor, os.path.join(args.output_dir, "final_model"), master)
 
     if master:
         png = plot_rewards(metrics_path)
