@@ -1,5 +1,7 @@
+import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -32,3 +34,31 @@ def llm(tiny_default):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     args = train.p.parse_args(["--max_completion_length", "8"])
     return rollout.create_engine(tiny_default[0], args, "float32", max_num_seqs=64, rank=0)
+
+
+DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]  # partition every param
+
+
+def command(out_dir, flags, procs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "train.py",
+           "--output_dir", str(out_dir), *ZERO3_SMALL, *flags]
+    return cmd, env
+
+
+def launch(out_dir, *flags, procs=2, timeout=1800):
+    """Run train.py under the real deepspeed launcher; -> (metrics rows, log). Fails on rc != 0."""
+    cmd, env = command(out_dir, flags, procs)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    log = r.stdout + r.stderr
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "launch.log"), "a") as f:
+        f.write(log)
+    assert r.returncode == 0, log[-5000:]
+    return read_metrics(out_dir), log
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

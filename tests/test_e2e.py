@@ -1,28 +1,10 @@
 """End to end under the real `deepspeed` launcher, 2 processes on CPU (gloo), real ZeRO-3 with
 CPU offload, a real vLLM engine per rank, wandb in offline mode."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, free_port
-
-DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]  # partition every param
-
-
-def launch(out_dir, *flags, procs=2, timeout=1800):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
-    cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "train.py",
-           "--output_dir", str(out_dir), *ZERO3_SMALL, *flags]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    log = r.stdout + r.stderr
-    (out_dir / "launch.log").write_text(log)
-    assert r.returncode == 0, log[-5000:]
-    return [json.loads(line) for line in open(out_dir / "metrics.jsonl")], log
-
+from conftest import launch
 
 def test_two_process_run(tmp_path, tiny_default):
     rows, log = launch(tmp_path, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2",
