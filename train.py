@@ -51,6 +51,9 @@ p.add_argument("--per_device_train_batch_size", type=int, default=8, help="seque
 p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
 p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
 p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
+               help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
+                    "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
 p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
 p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
 p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; longer samples are skipped, never cut")
@@ -255,7 +258,8 @@ def ds_config(args, gas, world, bf16):
                train_batch_size=args.per_device_train_batch_size * gas * world, gradient_clipping=args.max_grad_norm,
                bf16={"enabled": bf16}, steps_per_print=10 ** 9)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                    "weight_decay": args.weight_decay}}
+                                                    "weight_decay": args.weight_decay,
+                                                    "torch_adam": args.optimizer == "torch_adamw"}}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
                                                        "warmup_num_steps": max(1, args.warmup_steps), "warmup_type": "linear"}}
     if args.offload_optimizer or args.offload_model:

@@ -9,7 +9,7 @@ import time
 from conftest import ROOT, command, launch, read_metrics
 
 FLAGS = ["--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
-         "--num_iterations", "2", "--save_final_model"]
+         "--num_iterations", "2"]
 SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/clip_frac",
         "completion/length", "val/reward")
 
@@ -62,7 +62,7 @@ def test_sigkill_mid_save_and_mid_step_then_resume_exactly(tmp_path, tiny_defaul
 
 def test_resume_exact_with_one_process(tmp_path, tiny_default):
     flags = ["--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--rollout_batch_size", "8",
-             "--save_final_model", "--no-save_final_model"]
+             "--no-save_final_model"]
     full, _ = launch(tmp_path / "full", *flags, procs=1)
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "checkpoint-4")
