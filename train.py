@@ -81,7 +81,7 @@ p.add_argument("--limit_images", type=int, default=1, help="images per prompt (v
 p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
 p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
 p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
-p.add_argument("--logprob_chunk_tokens", type=int, default=1024, help="tokens per chunk of float32 logits")
+p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
 p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
 p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
 p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
@@ -95,6 +95,7 @@ p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="w
 p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
 p.add_argument("--run_name", default=None, help="wandb run name")
 p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+p.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
 p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
 p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
 p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
@@ -262,10 +263,12 @@ def ds_config(args, gas, world, bf16):
                                                     "torch_adam": args.optimizer == "torch_adamw"}}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
                                                        "warmup_num_steps": max(1, args.warmup_steps), "warmup_type": "linear"}}
-    if args.offload_optimizer or args.offload_model:
-        # DeepSpeed's offload_states cannot move states that static offload already put on CPU.
+    if (args.offload_optimizer or args.offload_model) and torch.cuda.is_available():
+        # DeepSpeed's offload_states cannot move states that static offload already put on CPU,
+        # and supports only its FusedAdam (GPU). On CPU every state lives in host RAM already.
         zo = cfg.setdefault("zero_optimization", {})
         zo["offload_param"], zo["offload_optimizer"] = {"device": "none"}, {"device": "none"}
+        cfg["optimizer"]["params"]["torch_adam"] = False
     for item in args.ds_set:
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")
@@ -541,6 +544,10 @@ def main():
         run_validation(start)
     if args.val_only:
         return
+    if (args.offload_optimizer or args.offload_model) and not torch.cuda.is_available():
+        if master:
+            print("[memory] --offload_optimizer/--offload_model: no-ops on CPU, where the trainer states live in host RAM")
+        args.offload_optimizer = args.offload_model = False
     offload = ([OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads,
                 OffloadStateTypeEnum.contiguous_grad_buffer] if args.offload_optimizer else []) + \
         ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
@@ -641,6 +648,13 @@ def main():
             log(m, step)
             if master:
                 bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
+                if args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0:
+                    table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
+                    for i, s in enumerate(seq_samples):
+                        table.add_data(wandb.Image(s["images"][0]) if s["images"] else None,
+                                       processor.tokenizer.decode(s["vllm_ids"]), texts[i], total[i],
+                                       *[scores[n][i] for n in args.reward_funcs])
+                    run.log({"completions": table}, step=step)
 
             # ---- 8. validate
             if val_samples and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):

@@ -7,7 +7,7 @@ import pytest
 from conftest import launch
 
 def test_two_process_run(tmp_path, tiny_default):
-    rows, log = launch(tmp_path, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2",
+    rows, log = launch(tmp_path, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
                        "--report_to", "wandb", "--run_name", "e2e")
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -33,3 +33,23 @@ def test_demo_learns(tmp_path, tiny_default):
     print("validation reward by step:", val)
     assert val[0][1] < 0.3
     assert max(v for _, v in val) >= 0.8, val
+
+
+@pytest.mark.parametrize("flags", [
+    # every memory lever at once, with the smallest sync buckets and logprob chunks
+    ["--offload_optimizer", "--offload_model", "--sleep_level", "1", "--gc_collect_after_offload",
+     "--sync_bucket_mb", "0", "--logprob_chunk_tokens", "2", "--ref_offload", "--limit_images", "1",
+     "--max_pixels", "3136", "--min_pixels", "784", "--gradient_checkpointing"],
+    # no reference model, no checkpointing, the other loss and advantage switches
+    ["--beta", "0", "--no-gradient_checkpointing", "--no-gc_collect_after_offload", "--sleep_level", "2",
+     "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2"],
+], ids=["levers", "switches"])
+def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
+    rows, log = launch(tmp_path, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4   # the sync left vLLM exact
+    if "--sleep_level" in flags:
+        assert "sleep mode does not exist on CPU" in log
+    if "--beta" in flags:
+        assert all(r["train/kl"] == 0.0 for r in train_rows)
