@@ -158,7 +158,10 @@ def prepare(row, processor, args):
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
     base = os.path.dirname(where.rsplit(":", 1)[0])
-    pil = [rollout.load_image(os.path.join(base, im), args.min_pixels, args.max_pixels) for im in images]
+    try:
+        pil = [rollout.load_image(os.path.join(base, im), args.min_pixels, args.max_pixels) for im in images]
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": args.question_template.format(**row)}]
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
         [{"role": "user", "content": content}]

@@ -1,0 +1,96 @@
+"""Bad input: each case gets a clear message naming the file, line or flag, and the run goes on."""
+import json
+import re
+
+import pytest
+from PIL import Image
+
+import train
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_default):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(tiny_default[0])
+
+
+def args_for(*flags):
+    return train.p.parse_args(list(flags))
+
+
+def write_task(tmp_path, lines):
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "ok.png")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    path = tmp_path / "data.jsonl"
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode())
+    return path
+
+
+def row(image, **extra):
+    return {"image": image, "question": "What colour is the shape?", "solution": "red", **extra}
+
+
+def test_bad_lines_are_skipped_with_their_line_number(tmp_path, capsys):
+    path = write_task(tmp_path, [row("ok.png"), b"\n", b"{not json\n", b"\xff\xfe bad utf8\n", row("ok.png")])
+    rows = train.read_jsonl(str(path))
+    assert len(rows) == 2
+    out = capsys.readouterr().out
+    assert f"{path}:3" in out and "JSONDecodeError" in out
+    assert f"{path}:4" in out and "UnicodeDecodeError" in out
+
+
+def test_empty_file_is_refused(tmp_path):
+    path = write_task(tmp_path, [b"\n"])
+    with pytest.raises(SystemExit, match="no usable samples"):
+        train.read_jsonl(str(path))
+
+
+@pytest.mark.parametrize("sample,flags,message", [
+    (row("missing.png"), [], "missing.png"),
+    (row("corrupt.png"), [], "corrupt.png"),
+    (row(["ok.png", "ok.png"]), ["--limit_images", "1"], "2 images > --limit_images 1"),
+    (row("ok.png"), ["--max_prompt_length", "10"], "--max_prompt_length 10"),
+])
+def test_unusable_samples_are_named(tmp_path, processor, sample, flags, message):
+    path = write_task(tmp_path, [sample])
+    with pytest.raises(ValueError, match=message) as e:
+        train.prepare(train.read_jsonl(str(path))[0], processor, args_for(*flags))
+    assert f"{path}:1" in str(e.value)
+
+
+def test_stream_skips_and_counts_bad_samples(tmp_path, processor):
+    path = write_task(tmp_path, [row("ok.png"), row("missing.png"), row("corrupt.png"), row("ok.png", solution="blue")])
+    stream = train.PromptStream(train.read_jsonl(str(path)), processor, args_for(), rank=0, world=1)
+    got = stream.next(4)   # 4 good samples from a file with 2: wraps into the next epoch
+    assert len(got) == 4 and all(s["images"][0].size == (56, 56) for s in got)
+    assert stream.skipped >= 2
+    assert {s["columns"]["solution"] for s in got} == {"red", "blue"}
+
+
+def test_same_pixels_for_vllm_and_training(tmp_path, processor):
+    Image.new("RGB", (300, 200), (0, 0, 255)).save(tmp_path / "big.png")
+    path = write_task(tmp_path, [row("big.png")])
+    s = train.prepare(train.read_jsonl(str(path))[0], processor, args_for("--max_pixels", str(28 * 28 * 16)))
+    w, h = s["images"][0].size
+    assert w * h <= 28 * 28 * 16 and w % 28 == 0 and h % 28 == 0
+    t, gh, gw = s["hf"]["image_grid_thw"][0].tolist()
+    assert (gh * 14, gw * 14) == (h, w)     # the processor did not resize again
+    assert s["vllm_ids"].count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 1
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--rollout_batch_size", "15"], 2, "15 is not divisible by 2 ranks"),
+    (["--rollout_batch_size", "16", "--num_generations", "7", "--per_device_train_batch_size", "6"], 2,
+     "16 / 2 prompts x 7 generations = 56 sequences, not divisible by --per_device_train_batch_size 6"),
+    (["--num_generations", "1"], 1, "--num_generations must be >= 2"),
+    (["--vllm_tensor_parallel_size", "4"], 2, "not divisible by --vllm_tensor_parallel_size 4"),
+])
+def test_impossible_flags_are_refused_with_the_arithmetic(flags, world, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        train.check_args(args_for(*flags), world)
+
+
+def test_possible_flags_give_micro_batch_count():
+    assert train.check_args(args_for("--num_generations", "7", "--per_device_train_batch_size", "7"), 2) == 8
