@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 from conftest import ROOT, command, launch, read_metrics
@@ -54,10 +55,31 @@ def test_sigkill_mid_save_and_mid_step_then_resume_exactly(tmp_path, tiny_defaul
     assert "[resume] from" in log and "checkpoint-4: step 4" in log
     assert_same(full, rows)
     assert sorted(os.listdir(run)) == sorted(os.listdir(tmp_path / "full"))   # no .tmp left behind
-    # the exported model loads in transformers
+    # the exported model loads in transformers, and in vLLM, which generates from an image with it
     from transformers import AutoModelForImageTextToText, AutoProcessor
     AutoModelForImageTextToText.from_pretrained(run / "final_model")
     assert AutoProcessor.from_pretrained(run / "final_model").chat_template
+    r = subprocess.run([sys.executable, "-c", VLLM_GENERATE, str(run / "final_model")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and "GENERATED" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+VLLM_GENERATE = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from PIL import Image
+from transformers import AutoProcessor
+from vllm import LLM, SamplingParams
+path = sys.argv[1]
+proc = AutoProcessor.from_pretrained(path)
+msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+ids = proc.tokenizer(proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))["input_ids"]
+llm = LLM(model=path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256)
+out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [Image.new("RGB", (56, 56), "red")]}}],
+                   SamplingParams(max_tokens=3, temperature=0.0))
+assert len(out[0].outputs[0].token_ids) >= 1
+print("GENERATED", repr(out[0].outputs[0].text))
+"""
 
 
 def test_resume_exact_with_one_process(tmp_path, tiny_default):
