@@ -675,6 +675,7 @@ def main():
     if args.save_final_model:
         export_model(engine, processor, os.path.join(args.output_dir, "final_model"), master)
 
+    run.finish()
     if master:
         png = plot_rewards(metrics_path)
         print(f"[done] metrics: {metrics_path}  plot: {png}")
