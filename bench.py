@@ -7,8 +7,8 @@ four ratios, and writes them with details to runs/bench/bench.json:
   sync_ratio         rollout.sync_weights(bucket_mb=0), one layer per reload_weights call (the worst
                      case) / one reload_weights call with the whole state dict and the same cache resets.
   sync_peak_ratio    peak extra memory during that sync / the largest bucket's bytes.
-  logprob_mem_ratio  peak memory of grpo.token_logps (chunk 1024, the default; no grad) / a naive full
-                     log_softmax, V=151,936, 2,048 tokens; chunk 256 and grad+backward reported too.
+  logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
+                     full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
 Memory in-process: host RSS sampled every ~1 ms by a thread (blind to small blocks malloc reuses) and
 live torch tensor bytes from the profiler's allocator events (exact, tensors only); the log-prob cases
@@ -129,7 +129,7 @@ def bench_logprobs(rows, out):
                 out[f"logprob_max_abs_diff_chunk{chunk}{sfx}"] = (lp - naive[2]).abs().max().item()
                 if grad:
                     out[f"logprob_grad_max_abs_diff_chunk{chunk}"] = (g - naive[3]).abs().max().item()
-    out["logprob_mem_ratio"] = out["logprob_mem_ratio_chunk1024"]
+    out["logprob_mem_ratio"] = out["logprob_mem_ratio_chunk256"]   # train.py's --logprob_chunk_tokens default
     out["logprob_max_abs_diff"] = max(v for k, v in out.items() if k.startswith("logprob_max_abs_diff_"))
 
 

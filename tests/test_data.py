@@ -5,6 +5,7 @@ import re
 import pytest
 from PIL import Image
 
+import data
 import train
 
 
@@ -34,7 +35,7 @@ def row(image, **extra):
 
 def test_bad_lines_are_skipped_with_their_line_number(tmp_path, capsys):
     path = write_task(tmp_path, [row("ok.png"), b"\n", b"{not json\n", b"\xff\xfe bad utf8\n", row("ok.png")])
-    rows = train.read_jsonl(str(path))
+    rows = data.read_jsonl(str(path))
     assert len(rows) == 2
     out = capsys.readouterr().out
     assert f"{path}:3" in out and "JSONDecodeError" in out
@@ -44,7 +45,7 @@ def test_bad_lines_are_skipped_with_their_line_number(tmp_path, capsys):
 def test_empty_file_is_refused(tmp_path):
     path = write_task(tmp_path, [b"\n"])
     with pytest.raises(SystemExit, match="no usable samples"):
-        train.read_jsonl(str(path))
+        data.read_jsonl(str(path))
 
 
 @pytest.mark.parametrize("sample,flags,message", [
@@ -56,13 +57,13 @@ def test_empty_file_is_refused(tmp_path):
 def test_unusable_samples_are_named(tmp_path, processor, sample, flags, message):
     path = write_task(tmp_path, [sample])
     with pytest.raises(ValueError, match=message) as e:
-        train.prepare(train.read_jsonl(str(path))[0], processor, args_for(*flags))
+        data.prepare(data.read_jsonl(str(path))[0], processor, args_for(*flags))
     assert f"{path}:1" in str(e.value)
 
 
 def test_stream_skips_and_counts_bad_samples(tmp_path, processor):
     path = write_task(tmp_path, [row("ok.png"), row("missing.png"), row("corrupt.png"), row("ok.png", solution="blue")])
-    stream = train.PromptStream(train.read_jsonl(str(path)), processor, args_for(), rank=0, world=1)
+    stream = data.PromptStream(data.read_jsonl(str(path)), processor, args_for(), rank=0, world=1)
     got = stream.next(4)   # 4 good samples from a file with 2: wraps into the next epoch
     assert len(got) == 4 and all(s["images"][0].size == (56, 56) for s in got)
     assert stream.skipped >= 2
@@ -72,7 +73,7 @@ def test_stream_skips_and_counts_bad_samples(tmp_path, processor):
 def test_same_pixels_for_vllm_and_training(tmp_path, processor):
     Image.new("RGB", (300, 200), (0, 0, 255)).save(tmp_path / "big.png")
     path = write_task(tmp_path, [row("big.png")])
-    s = train.prepare(train.read_jsonl(str(path))[0], processor, args_for("--max_pixels", str(28 * 28 * 16)))
+    s = data.prepare(data.read_jsonl(str(path))[0], processor, args_for("--max_pixels", str(28 * 28 * 16)))
     w, h = s["images"][0].size
     assert w * h <= 28 * 28 * 16 and w % 28 == 0 and h % 28 == 0
     t, gh, gw = s["hf"]["image_grid_thw"][0].tolist()
@@ -94,3 +95,11 @@ def test_impossible_flags_are_refused_with_the_arithmetic(flags, world, message)
 
 def test_possible_flags_give_micro_batch_count():
     assert train.check_args(args_for("--num_generations", "7", "--per_device_train_batch_size", "7"), 2) == 8
+
+
+def test_overlong_prompt_error_mode_stops_the_run(tmp_path, processor):
+    path = write_task(tmp_path, [row("ok.png")])
+    stream = data.PromptStream(data.read_jsonl(str(path)), processor,
+                               args_for("--max_prompt_length", "10", "--overlong_prompt", "error"), rank=0, world=1)
+    with pytest.raises(SystemExit, match="--max_prompt_length 10"):
+        stream.next(1)

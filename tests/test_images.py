@@ -53,3 +53,13 @@ def test_bad_files_are_named(tmp_path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     with pytest.raises(ValueError, match="corrupt.png"):
         rollout.load_image(bad, 28 * 28, 10 ** 6)
+
+
+def test_decompression_bomb_is_refused_and_big_images_downscaled(tmp_path, monkeypatch):
+    path = tmp_path / "big.png"
+    Image.new("RGB", (2000, 1500), (0, 128, 0)).save(path)
+    out = rollout.load_image(path, 28 * 28, 28 * 28 * 64)      # big but legal: downscaled once
+    assert out.size[0] * out.size[1] <= 28 * 28 * 64 and out.size[0] % 28 == 0
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000_000)  # 3 MP is past twice this: a "bomb"
+    with pytest.raises(ValueError, match="big.png.*DecompressionBombError"):
+        rollout.load_image(path, 28 * 28, 28 * 28 * 64)

@@ -3,6 +3,7 @@ weight sync from a changed model: this proves images, positions and the sync are
 import pytest
 import torch
 
+import data
 import rollout
 import train
 
@@ -16,7 +17,7 @@ def setup(llm, tiny_default):
     args = train.p.parse_args(["--max_completion_length", str(MAX_TOKENS)])
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(model_dir, args, torch.float32).eval()
-    samples = [train.prepare(row, processor, args) for row in train.read_jsonl(train_jsonl)[:4]]
+    samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:4]]
     return model, processor, samples
 
 
@@ -28,7 +29,7 @@ def max_logp_diff(llm, model, processor, samples, seed):
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
     comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
     seqs = [s for s in samples for _ in range(G)]
-    batch = train.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
+    batch = data.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
     with torch.no_grad():
         hf = model(**batch)                                                     # (B, C)
     diffs = [abs(hf[i, t].item() - next(iter(d.values())).logprob)

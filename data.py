@@ -1,0 +1,121 @@
+"""Data: JSONL samples -> the same downscaled images for vLLM and for training, and micro-batches.
+
+One sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...", "solution": "..."},
+image paths relative to the JSONL file; every other field is passed to the reward functions.
+Anything unusable (a bad line, a missing or corrupt image, too many images, a prompt longer than
+--max_prompt_length) is reported with its file and line, counted, and skipped; prompts are never
+cut. Left out: HF datasets / parquet loading, video.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+import rollout
+
+
+def read_jsonl(path):
+    """Rows of a JSONL file; a bad line is reported with its line number and skipped."""
+    rows = []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+                if line:
+                    row = json.loads(line)
+                    rows.append(dict(row, _where=f"{path}:{i}"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
+    if not rows:
+        sys.exit(f"error: {path} has no usable samples")
+    return rows
+
+
+def prepare(row, processor, args):
+    """One sample -> the same downscaled images for vLLM and for training. Raises ValueError
+    naming the sample for anything that cannot be trained on."""
+    where = row["_where"]
+    images = row.get("image", row.get("images")) or []
+    images = [images] if isinstance(images, str) else list(images)
+    if len(images) > args.limit_images:
+        raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
+    base = os.path.dirname(where.rsplit(":", 1)[0])
+    try:
+        pil = [rollout.load_image(os.path.join(base, im), args.min_pixels, args.max_pixels) for im in images]
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": args.question_template.format(**row)}]
+    messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
+        [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    hf = processor(text=[text], images=pil or None, return_tensors="pt")
+    if hf["input_ids"].shape[1] > args.max_prompt_length:
+        raise ValueError(f"{where}: prompt has {hf['input_ids'].shape[1]} tokens (with image tokens) > "
+                         f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels")
+    # vLLM takes ONE <|image_pad|> per image and expands it itself.
+    vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where")}
+    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where)
+
+
+class PromptStream:
+    """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded
+    permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped."""
+    def __init__(self, rows, processor, args, rank, world):
+        self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
+        self.epoch, self.cursor, self.skipped = 0, 0, 0
+
+    def state(self):
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped}
+
+    def load(self, st):
+        self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
+
+    def next(self, n):
+        out = []
+        while len(out) < n:
+            order = np.random.default_rng(self.args.seed + self.epoch).permutation(len(self.rows))[self.rank::self.world]
+            if self.cursor >= len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                continue
+            row = self.rows[order[self.cursor]]
+            self.cursor += 1
+            try:
+                out.append(prepare(row, self.processor, self.args))
+            except ValueError as e:
+                if self.args.overlong_prompt == "error" and "--max_prompt_length" in str(e):
+                    sys.exit(f"error: {e} (--overlong_prompt error)")
+                self.skipped += 1
+                print(f"[data] rank {self.rank}: skipped {e}")
+                if self.skipped > 100 and self.skipped > 10 * len(out):
+                    sys.exit(f"error: {self.skipped} samples skipped; check the data and the flags above")
+        return out
+
+
+def collate(samples, completions, pad_id, banned):
+    """Left-pad prompts, right-pad completions -> one micro-batch for the training forward.
+
+    completions[i] (list of token ids) belongs to samples[i]. Returns tensors with
+    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C)."""
+    P = max(s["hf"]["input_ids"].shape[1] for s in samples)
+    C = max(max(len(c) for c in completions), 1)
+    B = len(samples)
+    ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + C), dtype=torch.long)
+    mm_types = torch.zeros((B, P + C), dtype=torch.long)
+    cmask = torch.zeros((B, C), dtype=torch.float32)
+    for i, (s, c) in enumerate(zip(samples, completions)):
+        pl = s["hf"]["input_ids"].shape[1]
+        ids[i, P - pl:P], attn[i, P - pl:P] = s["hf"]["input_ids"][0], 1
+        mm_types[i, P - pl:P] = s["hf"]["mm_token_type_ids"][0]
+        c = torch.tensor(c, dtype=torch.long)
+        ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long))  # control tokens: out of input and loss
+        ids[i, P:P + len(c)] = torch.where(ok, c, torch.tensor(pad_id))
+        attn[i, P:P + len(c)], cmask[i, :len(c)] = 1, ok.float()
+    batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask)
+    if any("pixel_values" in s["hf"] for s in samples):
+        batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s in samples if "pixel_values" in s["hf"]])
+        batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s in samples if "image_grid_thw" in s["hf"]])
+    return batch
