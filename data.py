@@ -57,6 +57,9 @@ def prepare(row, processor, args):
     # vLLM takes ONE <|image_pad|> per image and expands it itself.
     vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where")}
+    if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
+        columns.setdefault("image_size", list(pil[0].info["original_size"]))
+        columns.setdefault("seen_size", list(pil[0].size))
     return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where)
 
 

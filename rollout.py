@@ -42,6 +42,7 @@ def load_image(path, min_pixels, max_pixels):
     decompression bomb past PIL's limit)."""
     try:
         with Image.open(path) as im:
+            size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
             im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
             im = ImageOps.exif_transpose(im)
             if im.mode in ("I;16", "I;16B", "I;16L", "I"):
@@ -53,7 +54,9 @@ def load_image(path, min_pixels, max_pixels):
             im = im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"image {path}: {type(e).__name__}: {e}") from None
-    return downscale(im, min_pixels, max_pixels)
+    out = downscale(im, min_pixels, max_pixels)
+    out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
+    return out
 
 
 # ----------------------------------------------------------------------------- engine

@@ -38,6 +38,7 @@ def llm(tiny_default):
 
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]  # partition every param
+FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8"]  # for runs that test plumbing, not learning
 
 
 def command(out_dir, flags, procs):

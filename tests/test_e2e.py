@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from conftest import launch
+from conftest import FAST, launch
 
 def test_two_process_run(tmp_path, tiny_default):
-    rows, log = launch(tmp_path, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
+    rows, log = launch(tmp_path, *FAST, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
                        "--report_to", "wandb", "--run_name", "e2e")
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -52,7 +52,7 @@ def test_demo_learns(tmp_path, tiny_default):
      "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2"],
 ], ids=["levers", "switches"])
 def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
-    rows, log = launch(tmp_path, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
+    rows, log = launch(tmp_path, *FAST, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
     assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4   # the sync left vLLM exact

@@ -63,3 +63,14 @@ def test_decompression_bomb_is_refused_and_big_images_downscaled(tmp_path, monke
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000_000)  # 3 MP is past twice this: a "bomb"
     with pytest.raises(ValueError, match="big.png.*DecompressionBombError"):
         rollout.load_image(path, 28 * 28, 28 * 28 * 64)
+
+
+def test_original_size_is_kept_for_box_rewards(tmp_path):
+    path = tmp_path / "r.jpg"
+    img = Image.new("RGB", (1120, 560))
+    exif = img.getexif()
+    exif[0x0112] = 6
+    img.save(path, exif=exif)
+    out = rollout.load_image(path, 28 * 28, 28 * 28 * 100)
+    assert out.info["original_size"] == (560, 1120)     # upright, before downscaling
+    assert out.size[0] < out.size[1] and out.size[0] * out.size[1] <= 28 * 28 * 100

@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, command, launch, read_metrics
+from conftest import FAST, ROOT, command, launch, read_metrics
 
-FLAGS = ["--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
+FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
          "--num_iterations", "2"]
 SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/clip_frac",
         "completion/length", "val/reward")
@@ -83,7 +83,7 @@ print("GENERATED", repr(out[0].outputs[0].text))
 
 
 def test_resume_exact_with_one_process(tmp_path, tiny_default):
-    flags = ["--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--rollout_batch_size", "8",
+    flags = [*FAST, "--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--rollout_batch_size", "8",
              "--no-save_final_model"]
     full, _ = launch(tmp_path / "full", *flags, procs=1)
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
