@@ -51,7 +51,7 @@ p.add_argument("--question_template", default="{question}", help="user text, for
 p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
 p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
 p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
-p.add_argument("--per_device_train_batch_size", type=int, default=8, help="sequences per forward/backward micro-batch")
+p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
 p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
 p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
 p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
@@ -115,8 +115,9 @@ p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed 
 # 16 generations per prompt: with 8, whole groups agree early (zero spread, no signal) and greedy
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
 TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
-                     per_device_train_batch_size=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
+                     max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
                      val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0)
+p.set_defaults(max_micro_batch=8)
 if "--model" not in " ".join(sys.argv):
     p.set_defaults(**TINY_DEFAULTS)
 
@@ -130,6 +131,8 @@ def check_args(args, world):
     need(args.rollout_batch_size % world == 0,
          f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
     seqs = args.rollout_batch_size // world * args.num_generations
+    if args.per_device_train_batch_size is None:   # e.g. --num_generations 7 must just work
+        args.per_device_train_batch_size = max(d for d in range(1, args.max_micro_batch + 1) if seqs % d == 0)
     need(seqs % args.per_device_train_batch_size == 0,
          f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")

@@ -103,3 +103,10 @@ def test_overlong_prompt_error_mode_stops_the_run(tmp_path, processor):
                                args_for("--max_prompt_length", "10", "--overlong_prompt", "error"), rank=0, world=1)
     with pytest.raises(SystemExit, match="--max_prompt_length 10"):
         stream.next(1)
+
+
+@pytest.mark.parametrize("world,expected", [(1, 28), (2, 28)])
+def test_default_micro_batch_divides_the_rank_sequences(world, expected):
+    args = args_for("--num_generations", "7")           # the command researchers type
+    train.check_args(args, world)
+    assert args.per_device_train_batch_size == expected  # 16 / world x 7 sequences, divisor <= 32
