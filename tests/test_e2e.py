@@ -31,15 +31,14 @@ def test_two_process_run(tmp_path, tiny_default):
     assert os.listdir(files / "media" / "table")   # the completions table with images
 
 
-@pytest.mark.slow
 def test_demo_learns(tmp_path, tiny_default):
-    """The demo's learning run, as `make demo` runs it but shorter: greedy validation must go from
-    near zero to far above chance (0.25) on the colour task."""
-    rows, _ = launch(tmp_path, "--max_steps", os.environ.get("DEMO_TEST_STEPS", "160"), "--val_freq", "40")
+    """The demo's learning run (`make demo`: the embedded defaults, 2 processes) stopped at 200 of its
+    300 steps: greedy validation must go from ~0 to >= 0.9 on the colour task (chance: 0.25)."""
+    rows, _ = launch(tmp_path, "--max_steps", "200", "--val_freq", "20", "--no-save_final_model")
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
     print("validation reward by step:", val)
-    assert val[0][1] < 0.3
-    assert max(v for _, v in val) >= 0.8, val
+    assert val[0] == (0, 0.0)
+    assert max(v for _, v in val) >= 0.9, val
 
 
 @pytest.mark.parametrize("flags", [
