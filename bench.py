@@ -135,6 +135,7 @@ def bench_logprobs(rows, out):
 
 def setup():
     """The engine as train.py and tests/conftest.py make it, the HF model, PROMPTS prepared samples."""
+    import data
     import rollout
     import tiny
     import train
@@ -148,7 +149,7 @@ def setup():
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=PROMPTS * G, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(model_dir, args, torch.float32).eval()
-    samples = [train.prepare(r, processor, args) for r in train.read_jsonl(train_jsonl)[:PROMPTS]]
+    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:PROMPTS]]
     return args, llm, processor, model, samples
 
 

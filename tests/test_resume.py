@@ -10,7 +10,7 @@ import time
 from conftest import FAST, ROOT, command, launch, read_metrics
 
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
-         "--num_iterations", "2"]
+         "--num_iterations", "2", "--report_to", "wandb"]
 SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/clip_frac",
         "completion/length", "val/reward")
 
@@ -54,6 +54,8 @@ def test_sigkill_mid_save_and_mid_step_then_resume_exactly(tmp_path, tiny_defaul
     rows, log = launch(run, *FLAGS)
     assert "[resume] from" in log and "checkpoint-4: step 4" in log
     assert_same(full, rows)
+    run_ids = {d.rsplit("-", 1)[1] for d in os.listdir(run / "wandb") if d.startswith("offline-run-")}
+    assert len(run_ids) == 1, run_ids                   # the resumed runs continued the same wandb run
     ckpts = sorted(d for d in os.listdir(run) if d.startswith("checkpoint"))
     assert ckpts == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]   # no .tmp left behind
     # the exported model loads in transformers, and in vLLM, which generates from an image with it
