@@ -1,10 +1,16 @@
-"""Data: JSONL samples -> the same downscaled images for vLLM and for training, and micro-batches.
+"""Data: samples -> the same downscaled images for vLLM and for training, and micro-batches.
 
-One sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...", "solution": "..."},
-image paths relative to the JSONL file; every other field is passed to the reward functions.
-Anything unusable (a bad line, a missing or corrupt image, too many images, a prompt longer than
---max_prompt_length) is reported with its file and line, counted, and skipped; prompts are never
-cut. Left out: HF datasets / parquet loading, video.
+Accepted sources (`--train_data`, `--val_data`):
+- JSONL, one sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...",
+  "solution": "..."}; image paths relative to `--image_root` (default: the JSONL's folder);
+- the VLM-R1 layout: {"image": ..., "conversations": [{"from": "human", "value": "<image>..."},
+  {"from": "gpt", "value": "<answer>"}]}, and R1-V's {"problem", "solution"};
+- a Hugging Face `datasets` directory (save_to_disk) or a parquet file with an image column
+  (decoded images or {"bytes", "path"}), loaded from disk.
+`--columns question=query solution=answer image=img` maps other column names onto ours. Every
+other field is passed to the reward functions. Anything unusable (a bad line, a missing or
+corrupt image, too many images, a prompt longer than --max_prompt_length) is reported with its
+file and line (or row), counted, and skipped; prompts are never cut. Left out: video, streaming.
 """
 import json
 import os
@@ -33,17 +39,58 @@ def read_jsonl(path):
     return rows
 
 
+class Rows:
+    """Random access to the samples of a JSONL, parquet or HF datasets source, normalised to our
+    column names. HF rows are read (and their images decoded) only when asked for."""
+    def __init__(self, path, columns=(), image_root=None):
+        self.path, self.mapping = path, dict(c.split("=", 1) for c in columns)
+        self.image_root = image_root or (path if os.path.isdir(path) else os.path.dirname(path))
+        if os.path.isdir(path) or path.endswith(".parquet"):
+            import datasets
+            ds = datasets.load_from_disk(path) if os.path.isdir(path) else \
+                datasets.load_dataset("parquet", data_files=path, split="train")
+            self.rows = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+            if len(self.rows) == 0:
+                sys.exit(f"error: {path} has no usable samples")
+        else:
+            self.rows = read_jsonl(path)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = dict(self.rows[int(i)])
+        row.setdefault("_where", f"{self.path}[{i}]")
+        for ours, theirs in self.mapping.items():
+            if theirs in row:
+                row[ours] = row.pop(theirs)
+        if "conversations" in row and "question" not in row:   # VLM-R1 / LLaVA layout
+            turns = row.pop("conversations")
+            row["question"] = next(t["value"] for t in turns if t.get("from") in ("human", "user")).replace("<image>", "").strip()
+            row.setdefault("solution", next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None))
+        if "problem" in row and "question" not in row:         # R1-V / geometry3k layout
+            row["question"] = row.pop("problem")
+        row["_image_root"] = self.image_root
+        return row
+
+
 def prepare(row, processor, args):
     """One sample -> the same downscaled images for vLLM and for training. Raises ValueError
     naming the sample for anything that cannot be trained on."""
     where = row["_where"]
     images = row.get("image", row.get("images")) or []
-    images = [images] if isinstance(images, str) else list(images)
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
-    base = os.path.dirname(where.rsplit(":", 1)[0])
+    base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
+
+    def source(im):   # a path, or what HF datasets store: a decoded PIL image or {"bytes", "path"}
+        if isinstance(im, dict):
+            return im["bytes"] if im.get("bytes") else os.path.join(base, im["path"])
+        return os.path.join(base, im) if isinstance(im, str) else im
     try:
-        pil = [rollout.load_image(os.path.join(base, im), args.min_pixels, args.max_pixels) for im in images]
+        pil = [rollout.load_image(source(im), args.min_pixels, args.max_pixels,
+                                  name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": args.question_template.format(**row)}]
@@ -56,7 +103,7 @@ def prepare(row, processor, args):
                          f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels")
     # vLLM takes ONE <|image_pad|> per image and expands it itself.
     vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where")}
+    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where", "_image_root")}
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))

