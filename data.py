@@ -80,6 +80,8 @@ def prepare(row, processor, args):
     where = row["_where"]
     images = row.get("image", row.get("images")) or []
     images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not images:   # under ZeRO-3 a rank without images would skip the vision tower's collectives
+        raise ValueError(f"{where}: no image; text-only samples are not supported (every rank runs the vision tower)")
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
     base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
@@ -144,13 +146,15 @@ class PromptStream:
         return out
 
 
-def collate(samples, completions, pad_id, banned):
-    """Left-pad prompts, right-pad completions -> one micro-batch for the training forward.
+def collate(samples, completions, pad_id, banned, C=None):
+    """Left-pad prompts, right-pad completions to C tokens -> one micro-batch for the training forward.
 
     completions[i] (list of token ids) belongs to samples[i]. Returns tensors with
-    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C)."""
+    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C). train.py passes the
+    longest completion over all ranks as C: the log-probs run lm_head once per chunk of B x C
+    tokens, and under ZeRO-3 every call gathers its weight, so all ranks must make as many calls."""
     P = max(s["hf"]["input_ids"].shape[1] for s in samples)
-    C = max(max(len(c) for c in completions), 1)
+    C = C or max(max(len(c) for c in completions), 1)
     B = len(samples)
     ids = torch.full((B, P + C), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + C), dtype=torch.long)

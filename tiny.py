@@ -21,7 +21,7 @@ import random
 import shutil
 import tempfile
 
-VERSION = "v1"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v2"  # bump when anything below changes, so cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -75,7 +75,7 @@ def build_model(out_dir, seed=0):
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"])

@@ -457,7 +457,10 @@ def main():
 
             # ---- 5. old / reference log-probs, no grad, micro-batched
             mb = args.per_device_train_batch_size
-            batches = [data.collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned) for i in range(0, len(comps), mb)]
+            c_max = torch.tensor(max(max(len(c) for c in comp_ids), 1), device=DEVICE)
+            dist.all_reduce(c_max, op=dist.ReduceOp.MAX)   # same B x C, so the same lm_head calls, on every rank
+            batches = [data.collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned, int(c_max))
+                       for i in range(0, len(comps), mb)]
             n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
             dist.all_reduce(n_tokens)
             norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
