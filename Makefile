@@ -24,7 +24,7 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 	touch $@
 
 demo: venv
-	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo $(DEMO_FLAGS)
+	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK)) $(DEMO_FLAGS)
 
 test: venv
 	$(PY) -m pytest -q tests

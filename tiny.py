@@ -48,15 +48,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tokenizer():
+def build_tokenizer(extra_words=()):
     """Word-level tokenizer: words, single punctuation marks and whitespace runs are tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     words = ("you are a helpful assistant system user what colour color is the shape answer with one "
              "word it this image picture of and no yes square circle triangle left right top bottom "
              "how many shapes there which").split()
-    words += [w.capitalize() for w in words] + list(COLOURS) + [str(d) for d in range(10)]
+    words += [w.capitalize() for w in words] + list(COLOURS) + [str(d) for d in range(10)] + list(extra_words)
     pieces = [" ", "\n", "  ", ".", ",", "?", "!", ":", "'", "-", "<", ">", "/", "(", ")"]
+    pieces += ["[", "]"] if extra_words else []   # the grounding model writes boxes
     vocab = {t: i for i, t in enumerate(["<unk>"] + sorted(set(words)) + pieces)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Keep every piece (words, punctuation, whitespace) as its own token; decoding concatenates.
@@ -67,12 +68,12 @@ def build_tokenizer():
         additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE, model_max_length=4096)
 
 
-def build_model(out_dir, seed=0):
+def build_model(out_dir, seed=0, extra_words=()):
     """Random-init tiny Qwen2.5-VL + tokenizer + real processor classes, saved to `out_dir`."""
     import torch
     from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(extra_words)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
@@ -126,17 +127,45 @@ def build_task(out_dir, n_train=2000, n_val=64, seed=0):
     return out_dir
 
 
-def ensure_default(root=".cache/tiny"):
+GROUNDING_QUESTION = "Find the red square. Answer with its box [x1, y1, x2, y2]."
+
+
+def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0):
+    """The grounding variant: a red square among shapes of other colours; the solution is its box
+    [x1, y1, x2, y2] in pixels of the 56x56 image, scored by reward.iou."""
+    from PIL import ImageDraw
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    for split, n in (("train", n_train), ("val", n_val)):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for i in range(n):
+                img = draw(rng.choice(["green", "blue", "yellow"]), rng.choice(["circle", "triangle"]), rng)
+                r = rng.randint(6, 12)
+                x, y = rng.randint(0, SIZE - 2 * r - 1), rng.randint(0, SIZE - 2 * r - 1)
+                box = [x, y, x + 2 * r, y + 2 * r]
+                ImageDraw.Draw(img).rectangle(box, fill=COLOURS["red"])
+                rel = f"images/{split}_{i:05d}.png"
+                img.save(os.path.join(out_dir, rel))
+                f.write(json.dumps({"image": rel, "question": GROUNDING_QUESTION, "solution": box}) + "\n")
+    return out_dir
+
+
+def ensure_default(root=".cache/tiny", task="colour"):
     """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
 
+    task "colour" (the demo) or "grounding" (its own model: a vocabulary with the numbers 0-56).
     Safe when several ranks call it at once: each builds in a private temp dir and renames it
     into place; the losers of the race discard theirs (the content is deterministic)."""
-    final = os.path.join(root, VERSION)
+    final = os.path.join(root, VERSION) if task == "colour" else os.path.join(root, VERSION + "-" + task)
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
-        build_model(os.path.join(tmp, "model"))
-        build_task(os.path.join(tmp, "task"))
+        if task == "colour":
+            build_model(os.path.join(tmp, "model"))
+            build_task(os.path.join(tmp, "task"))
+        else:
+            build_model(os.path.join(tmp, "model"), extra_words=[str(n) for n in range(10, SIZE + 1)] + ["red", "box"])
+            build_grounding_task(os.path.join(tmp, "task"))
         open(os.path.join(tmp, "done"), "w").close()
         try:
             os.rename(tmp, final)
@@ -149,4 +178,6 @@ def ensure_default(root=".cache/tiny"):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
-    print(ensure_default(p.parse_args().root))
+    p.add_argument("--task", default="colour", choices=["colour", "grounding"], help="which task (and model)")
+    a = p.parse_args()
+    print(ensure_default(a.root, a.task))

@@ -46,6 +46,7 @@ p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and
 p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
 p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
 p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
 p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
 p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
 p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
@@ -125,6 +126,8 @@ TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_le
 p.set_defaults(max_micro_batch=8)
 if "--model" not in " ".join(sys.argv):
     p.set_defaults(**TINY_DEFAULTS)
+    if "--tiny_task=grounding" in sys.argv or "--tiny_task grounding" in " ".join(sys.argv):   # a box: ~12 tokens, IoU
+        p.set_defaults(reward_funcs=["iou"], max_completion_length=12, max_prompt_length=80)
 
 
 def check_args(args, world):
@@ -276,7 +279,7 @@ def main():
     master = rank == 0
     if args.model is None:
         import tiny
-        args.model, train_default, val_default = tiny.ensure_default()
+        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task)
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if master:
             print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, colour task {args.train_data}")

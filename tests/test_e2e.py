@@ -59,3 +59,13 @@ def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
         assert "sleep mode does not exist on CPU" in log
     if "--beta" in flags:
         assert all(r["train/kl"] == 0.0 for r in train_rows)
+
+
+def test_grounding_variant_exercises_iou(tmp_path):
+    """`make demo TASK=grounding`: boxes of a red square, scored by reward.iou in the seen image."""
+    rows, _ = launch(tmp_path, *FAST, "--tiny_task", "grounding", "--max_steps", "2", "--val_freq", "2",
+                     "--no-save_final_model")
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert len(train_rows) == 2 and all(r["reward/iou_failures"] == 0 for r in train_rows)   # ground truth parsed
+    assert all(0.0 <= r["reward/iou"] <= 1.0 for r in train_rows)
+    assert "val/iou" in rows[-1]
