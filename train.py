@@ -3,16 +3,15 @@
 Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine. One step:
 sample prompts -> downscale images once -> sync weights into vLLM -> generate num_generations
 completions per prompt -> rewards -> group advantages -> old/ref logprobs -> num_iterations
-optimizer steps over the rollout batch -> log (rank 0, all-reduced) -> validate.
+optimizer steps over the rollout batch -> log (rank 0, all-reduced) -> validate -> checkpoint.
 
     deepspeed train.py --num_generations 7                        # embedded tiny model + task
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
         --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
 
-Data: JSONL, one sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...",
-"solution": "..."} (paths relative to the JSONL file); every other field is passed to the
-reward functions. Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server mode,
-text-only datasets mixed with image ones (every ZeRO-3 rank must run the vision tower every step).
+Data formats: data.py. The math: grpo.py. vLLM and the weight sync: rollout.py. Memory: memory.py.
+Checkpoints: checkpoint.py. Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server
+mode, text-only samples (every ZeRO-3 rank must run the vision tower every step).
 """
 import argparse
 import json
