@@ -249,7 +249,7 @@ def validate(llm, val_samples, processor, args, tp_group, tp, allowed):
     sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=allowed)
     outs = run_vllm(llm, val_samples, [sp] * len(val_samples), tp_group, tp)
     texts = [o.outputs[0].text for o in outs]
-    cols = {k: [s["columns"].get(k) for s in val_samples] for k in val_samples[0]["columns"]}
+    cols = {k: [s["columns"].get(k) for s in val_samples] for k in (val_samples[0]["columns"] if val_samples else {})}
     total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
     sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
                         dtype=torch.float64, device=DEVICE)
@@ -397,7 +397,7 @@ def main():
         return m
 
     from tqdm import tqdm
-    if val_samples and (args.val_only or args.val_before_train and start == 0):
+    if args.val_data and (args.val_only or args.val_before_train and start == 0):   # every rank: it syncs weights
         run_validation(start)
     if args.val_only:
         return
@@ -519,7 +519,7 @@ def main():
                     run.log({"completions": table}, step=step)
 
             # ---- 8. validate
-            if val_samples and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
+            if args.val_data and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", m):
                     run_validation(step)
 
