@@ -179,7 +179,7 @@ def compute_rewards(names, weights, completions, columns):
     total, scores, failures = [0.0] * len(completions), {}, {}
     for name, w in zip(names, weights):
         try:
-            values = list(REWARDS[name](completions, **columns))
+            values = list(REWARDS[name](completions, **columns)) if completions else []
             if len(values) != len(completions):
                 raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
         except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, score 0

@@ -190,3 +190,8 @@ def test_combine_weights_and_failures(monkeypatch):
 def test_weights_must_match_functions():
     with pytest.raises(ValueError, match="--reward_weights has 1 values for 2"):
         reward.compute_rewards(["accuracy", "format"], [1.0], ["a"], {"solution": ["a"]})
+
+
+def test_no_completions_no_calls():
+    total, scores, failures = reward.compute_rewards(["accuracy", "format"], None, [], {})
+    assert total == [] and scores == {"accuracy": [], "format": []} and failures == {"accuracy": 0, "format": 0}
