@@ -270,6 +270,8 @@ def main():
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
     from vllm import SamplingParams
 
+    if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     DEVICE = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
