@@ -166,6 +166,8 @@ def ensure_default(root=".cache/tiny", task="colour"):
         else:
             build_model(os.path.join(tmp, "model"), extra_words=[str(n) for n in range(10, SIZE + 1)] + ["red", "box"])
             build_grounding_task(os.path.join(tmp, "task"))
+        if not os.path.exists(os.path.join(tmp, "model", "config.json")):   # e.g. saved from a non-zero rank
+            raise RuntimeError(f"tiny model build in {tmp} is incomplete")
         open(os.path.join(tmp, "done"), "w").close()
         try:
             os.rename(tmp, final)

@@ -270,6 +270,12 @@ def main():
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
     from vllm import SamplingParams
 
+    if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
+        import tiny
+        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task)
+        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, {args.tiny_task} task {args.train_data}")
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed()
@@ -278,12 +284,6 @@ def main():
         if torch.cuda.is_available() else torch.device("cpu")
     gas = check_args(args, world)
     master = rank == 0
-    if args.model is None:
-        import tiny
-        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task)
-        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
-        if master:
-            print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, colour task {args.train_data}")
     if args.train_data is None:
         sys.exit("error: --train_data is required with --model")
     random.seed(args.seed)
