@@ -49,7 +49,9 @@ def test_demo_learns(tmp_path, tiny_default):
     # no reference model, no checkpointing, the other loss and advantage switches
     ["--beta", "0", "--no-gradient_checkpointing", "--no-gc_collect_after_offload", "--sleep_level", "2",
      "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2"],
-], ids=["levers", "switches"])
+    # vLLM tensor parallel across both ranks: one engine shard per rank, the same requests on each
+    ["--vllm_tensor_parallel_size", "2"],
+], ids=["levers", "switches", "vllm_tp2"])
 def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
     rows, log = launch(tmp_path, *FAST, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
     train_rows = [r for r in rows if "reward/mean" in r]
