@@ -490,11 +490,11 @@ def main():
                                                   ref[j] if ref is not None else None, args.loss_agg, norm_tokens)
                         engine.backward(loss)
                         engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
-                        k = 1.0 / (len(batches) * args.num_iterations)
-                        stats["loss"] += loss.item() * (1 if args.loss_agg == "token" else k)
+                        # the objective DeepSpeed differentiates: micro-batch losses / gas, summed (both loss_agg)
+                        k = 1.0 / (gas * args.num_iterations)
+                        stats["loss"] += loss.item() * k
                         stats["clip_frac"] += lm["clip_frac"] * k
                         stats["kl"] += lm["kl"] * k
-                stats["loss"] /= args.num_iterations if args.loss_agg == "token" else 1
                 grad_norm = engine.get_global_grad_norm()
 
             # ---- 7. log (all ranks compute, rank 0 writes)
