@@ -412,10 +412,10 @@ def main():
         ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
     bar = tqdm(range(start + 1, args.max_steps + 1), disable=not master, desc="grpo", dynamic_ncols=True,
                initial=start, total=args.max_steps)
-    m = {}
+    m, carry = {}, {}   # validation and checkpoint run after the step's row is written: they go in the next row
     try:
         for step in bar:
-            m = {}
+            m, carry = carry, {}
             t_step = time.perf_counter()
             # ---- 1. sample prompts; images are loaded and downscaled once, here
             with memory.phase("data", m):
@@ -522,16 +522,16 @@ def main():
 
             # ---- 8. validate
             if args.val_data and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
-                with memory.phase("validation", m):
+                with memory.phase("validation", carry):
                     run_validation(step)
 
             # ---- 9. checkpoint
             if args.save_steps and step % args.save_steps == 0:
-                with memory.phase("checkpoint", m):
+                with memory.phase("checkpoint", carry):
                     checkpoint.save_checkpoint(engine, args, step, stream, run.id, rank)
     except BaseException as e:   # an OOM anywhere: say where and what to change, keep the checkpoints
         if memory.is_oom(e):
-            sys.exit(memory.report_oom(e, table=m))
+            sys.exit(memory.report_oom(e, table={**m, **carry}))
         raise
     if args.save_final_model:
         checkpoint.export_model(engine, processor, os.path.join(args.output_dir, "final_model"), master)
