@@ -146,6 +146,11 @@ class PromptStream:
         return out
 
 
+def reward_columns(samples):
+    """The samples' fields as the reward functions take them: {field: [value per sample]}."""
+    return {k: [s["columns"].get(k) for s in samples] for k in (samples[0]["columns"] if samples else {})}
+
+
 def collate(samples, completions, pad_id, banned, C=None):
     """Left-pad prompts, right-pad completions to C tokens -> one micro-batch for the training forward.
 

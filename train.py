@@ -196,15 +196,10 @@ def ds_config(args, gas, world, bf16):
     return cfg
 
 
-def forward_logps(engine, batches, args, grad=False):
-    """Per-token log-probs for every micro-batch, without grad unless asked. -> list of (B, C)."""
-    with torch.set_grad_enabled(grad):
-        return [engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
-                for b in batches]
-
-
-def model_inputs(batch):
-    return {k: v.to(DEVICE) for k, v in batch.items()}
+def completion_logps(engine, batch, args):
+    """Per-token log-probs (B, C) of one micro-batch's completions (policy or reference engine)."""
+    return engine(**{k: v.to(DEVICE) for k, v in batch.items()}, temperature=args.temperature,
+                  chunk_tokens=args.logprob_chunk_tokens)
 
 
 # ----------------------------------------------------------------------------- distributed helpers
@@ -249,8 +244,7 @@ def validate(llm, val_samples, processor, args, tp_group, tp, allowed):
     sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=allowed)
     outs = run_vllm(llm, val_samples, [sp] * len(val_samples), tp_group, tp)
     texts = [o.outputs[0].text for o in outs]
-    cols = {k: [s["columns"].get(k) for s in val_samples] for k in (val_samples[0]["columns"] if val_samples else {})}
-    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
+    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, data.reward_columns(val_samples))
     sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
                         dtype=torch.float64, device=DEVICE)
     dist.all_reduce(sums)
@@ -450,7 +444,7 @@ def main():
             # ---- 3. rewards
             with memory.phase("reward", m):
                 texts = processor.tokenizer.batch_decode(comp_ids, skip_special_tokens=True)
-                cols = {k: [s["columns"].get(k) for s in seq_samples] for k in samples[0]["columns"]}
+                cols = data.reward_columns(seq_samples)
                 cols.update(completion_length=[len(c) for c in comp_ids],
                             max_completion_length=[args.max_completion_length] * len(comp_ids))
                 total, scores, failures = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
@@ -468,9 +462,9 @@ def main():
             n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
             dist.all_reduce(n_tokens)
             norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
-            with memory.phase("old_ref_logps", m):
-                old = forward_logps(engine, batches, args) if args.num_iterations > 1 else None
-                ref = forward_logps(ref_engine, batches, args) if ref_engine is not None else None
+            with memory.phase("old_ref_logps", m), torch.no_grad():
+                old = [completion_logps(engine, b, args) for b in batches] if args.num_iterations > 1 else None
+                ref = [completion_logps(ref_engine, b, args) for b in batches] if ref_engine is not None else None
 
             # ---- 6. update: num_iterations optimizer steps over the rollout batch
             with memory.phase("update", m):
@@ -478,7 +472,7 @@ def main():
                 stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
                 for it in range(args.num_iterations):
                     for j, b in enumerate(batches):
-                        logps = engine(**model_inputs(b), temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)
+                        logps = completion_logps(engine, b, args)
                         cmask = b["completion_mask"].to(DEVICE)
                         old_j = old[j] if old is not None else logps.detach()
                         if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
