@@ -145,7 +145,7 @@ def setup():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(s.getsockname()[1]))
     model_dir, train_jsonl, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"))
-    args = train.p.parse_args(["--max_completion_length", str(MAX_TOKENS)])
+    args = train.parse_args(["--max_completion_length", str(MAX_TOKENS)])
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=PROMPTS * G, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(model_dir, args, torch.float32).eval()

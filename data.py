@@ -12,14 +12,53 @@ other field is passed to the reward functions. Anything unusable (a bad line, a 
 corrupt image, too many images, a prompt longer than --max_prompt_length) is reported with its
 file and line (or row), counted, and skipped; prompts are never cut. Left out: video, streaming.
 """
+import contextlib
+import io
 import json
 import os
 import sys
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-import rollout
+
+# ----------------------------------------------------------------------------- images
+def downscale(img, min_pixels, max_pixels, factor=28):
+    """Resize to the nearest (h, w) on the `factor` grid with min_pixels <= h*w <= max_pixels."""
+    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
+
+
+def load_image(source, min_pixels, max_pixels, name=None):
+    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once.
+
+    source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
+    Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
+    decompression bomb past PIL's limit)."""
+    name = name or str(source)
+    try:
+        opened = not isinstance(source, Image.Image)
+        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) if opened else source
+        with im if opened else contextlib.nullcontext(im):
+            size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
+            im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
+            im = ImageOps.exif_transpose(im)
+            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+                im = im.point(lambda v: v / 256).convert("L")    # 16-bit -> 8-bit, keep the range
+            if im.mode in ("RGBA", "LA", "P", "PA"):
+                im = im.convert("RGBA")
+                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(bg, im)
+            im = im.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
+    out = downscale(im, min_pixels, max_pixels)
+    out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
+    return out
+
+
 
 
 def read_jsonl(path):
@@ -91,7 +130,7 @@ def prepare(row, processor, args):
             return im["bytes"] if im.get("bytes") else os.path.join(base, im["path"])
         return os.path.join(base, im) if isinstance(im, str) else im
     try:
-        pil = [rollout.load_image(source(im), args.min_pixels, args.max_pixels,
+        pil = [load_image(source(im), args.min_pixels, args.max_pixels,
                                   name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None

@@ -57,9 +57,12 @@ def phase(name, log):
         raise
     finally:
         # Recorded on failure too: after an OOM, the failed phase's row is the one diagnose() needs.
-        log[f"time/{name}"] = time.perf_counter() - t0
+        # A phase entered again in the same step (dynamic sampling's extra rollouts) adds its time
+        # and keeps the worst memory reading: the most used, the least available.
+        log[f"time/{name}"] = log.get(f"time/{name}", 0.0) + time.perf_counter() - t0
         for k, v in measure().items():
-            log[f"mem/{name}/{k}"] = v
+            key = f"mem/{name}/{k}"
+            log[key] = v if key not in log else (min if k.endswith("avail_gb") else max)(log[key], v)
 
 
 def summary(log):

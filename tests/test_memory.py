@@ -138,3 +138,12 @@ def test_measure_free_phase():
         sum(range(1000))
     assert log["time/rollout"] >= 0 and log["mem/rollout/host_rss_gb"] > 0
     assert "host_rss=" in memory.summary(log)
+
+
+def test_phase_entered_twice_adds_its_time_and_keeps_the_worst_memory():
+    log = {"time/rollout": 2.0, "mem/rollout/host_rss_gb": 1e6, "mem/rollout/host_avail_gb": -1.0}
+    with memory.phase("rollout", log):
+        pass
+    assert log["time/rollout"] >= 2.0                      # added, not overwritten
+    assert log["mem/rollout/host_rss_gb"] == 1e6           # the most used is kept
+    assert log["mem/rollout/host_avail_gb"] == -1.0        # the least available is kept

@@ -169,7 +169,7 @@ def test_new_rewards_are_registered_and_combine():
     total, scores, failures = reward.compute_rewards(
         ["iou", "length_penalty"], [1.0, 0.5], ["<answer>[0, 0, 10, 5]</answer>"],
         {"solution": [[0, 0, 10, 10]], "completion_length": [100], "max_completion_length": [100]})
-    assert (total, failures) == ([0.5 - 0.5], {"iou": 0, "length_penalty": 0})
+    assert (total, failures) == ([0.5 - 0.5], {"iou": [False], "length_penalty": [False]})
 
 
 def test_combine_weights_and_failures(monkeypatch):
@@ -183,7 +183,7 @@ def test_combine_weights_and_failures(monkeypatch):
     total, scores, failures = reward.compute_rewards(
         ["accuracy", "broken", "partial"], [2.0, 1.0, 4.0], ["red", "blue", "red"], {"solution": ["red"] * 3})
     assert total == [2.0, 0.0, 2.0 + 4 * 0.5]
-    assert failures == {"accuracy": 0, "broken": 3, "partial": 2}
+    assert failures == {"accuracy": [False] * 3, "broken": [True] * 3, "partial": [True, True, False]}
     assert scores["partial"] == [0.0, 0.0, 0.5]
 
 
@@ -194,4 +194,4 @@ def test_weights_must_match_functions():
 
 def test_no_completions_no_calls():
     total, scores, failures = reward.compute_rewards(["accuracy", "format"], None, [], {})
-    assert total == [] and scores == {"accuracy": [], "format": []} and failures == {"accuracy": 0, "format": 0}
+    assert total == [] and scores == {"accuracy": [], "format": []} and failures == {"accuracy": [], "format": []}

@@ -14,7 +14,7 @@ G, MAX_TOKENS = 4, 8
 def setup(llm, tiny_default):
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = tiny_default
-    args = train.p.parse_args(["--max_completion_length", str(MAX_TOKENS)])
+    args = train.parse_args(["--max_completion_length", str(MAX_TOKENS)])
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(model_dir, args, torch.float32).eval()
     samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:4]]

@@ -1,0 +1,332 @@
+"""Each phase of train.py's step, called on its own with small fakes: no DeepSpeed engine, no vLLM
+engine. The fakes stand in for what cannot be small (a ZeRO-3 engine, a vLLM engine); the data,
+processor, rewards, math and torch.distributed collectives (one gloo rank) are the real ones."""
+import json
+import os
+import types
+
+import pytest
+import torch
+
+import data
+import grpo
+import train
+
+G = 4
+
+
+class FakeLLM:
+    """Stands in for vLLM: every request gets the completions `answer(request, k)` for k < n,
+    each sampled token with log-prob -1. Records the requests and the weights it is sent."""
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer, self.requests, self.params, self.weights = tokenizer, answer, [], [], []
+        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: None)
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.requests.append(requests)
+        self.params.append(params)
+        outs = []
+        for r, sp in zip(requests, params):
+            comps = []
+            for k in range(sp.n):
+                ids = self.answer(r, k)
+                comps.append(types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
+                                                   finish_reason="stop", text=self.tokenizer.decode(ids)))
+            outs.append(types.SimpleNamespace(outputs=comps))
+        return outs
+
+    def collective_rpc(self, name, kwargs):
+        self.weights += [n for n, _ in kwargs["weights_iterator"]]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+class FakeEngine:
+    """Stands in for the DeepSpeed engine: a unigram policy (one logit per token id) under SGD,
+    stepping at the gradient-accumulation boundary and scaling the loss by 1/gas as DeepSpeed does."""
+    def __init__(self, vocab, gas, lr=1.0):
+        self.module = torch.nn.Module()
+        self.module.w = torch.nn.Parameter(torch.zeros(vocab))
+        self.opt, self.gas, self.calls, self.lr = torch.optim.SGD(self.module.parameters(), lr=lr), gas, 0, lr
+        self.forwards = 0
+
+    def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, **mm):
+        self.forwards += 1
+        C = completion_mask.shape[1]
+        return torch.log_softmax(self.module.w / temperature, -1)[input_ids[:, -C:]]   # (B, C)
+
+    def backward(self, loss):
+        (loss / self.gas).backward()
+
+    def step(self):
+        self.calls += 1
+        if self.calls % self.gas == 0:
+            self.opt.step()
+            self.opt.zero_grad()
+
+    def train(self):
+        pass
+
+    def get_global_grad_norm(self):
+        return 1.0
+
+    def get_lr(self):
+        return [self.lr]
+
+    def save_checkpoint(self, path, tag):
+        os.makedirs(os.path.join(path, tag))
+        torch.save(self.module.state_dict(), os.path.join(path, tag, "model.pt"))
+
+
+class FakeStream:
+    skipped = 0
+
+    def state(self):
+        return {"epoch": 0, "cursor": 7, "skipped": 0}
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_default, world1):
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, val_jsonl = tiny_default
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--num_generations", str(G), "--rollout_batch_size", "4", "--per_device_train_batch_size", "8",
+                             "--beta", "0", "--report_to", "none"])
+    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:4]]
+    return processor, args, samples
+
+
+def colour_answer(tokenizer):
+    """Generations 0 and 1 of every request answer "red", 2 and 3 "blue"."""
+    red, blue = tokenizer.convert_tokens_to_ids("red"), tokenizer.convert_tokens_to_ids("blue")
+    return lambda request, k: [red] if k < 2 else [blue]
+
+
+def make_run(parts, tmp_path, **flags):
+    processor, args, samples = parts
+    args = types.SimpleNamespace(**{**vars(args), "output_dir": str(tmp_path), **flags})
+    allowed, banned = train.rollout.sampling_token_ids(processor.tokenizer)
+    gas = len(samples) * args.num_generations // args.per_device_train_batch_size
+    run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
+                    engine=FakeEngine(len(processor.tokenizer), gas), ref_engine=None,
+                    llm=FakeLLM(processor.tokenizer, colour_answer(processor.tokenizer)), processor=processor,
+                    stream=FakeStream(), val_samples=samples, banned=frozenset(banned), allowed=allowed,
+                    pad_id=processor.tokenizer.pad_token_id, metrics_path=str(tmp_path / "metrics.jsonl"),
+                    wandb=types.SimpleNamespace(log=lambda *a, **k: None, id="fake"))
+    return run, samples
+
+
+# ----------------------------------------------------------------------------- flags (set-up's pure part)
+def test_parse_args_tiny_defaults_only_without_model():
+    tiny = train.parse_args([])
+    assert tiny.model is None and tiny.learning_rate == 1e-3 and tiny.max_completion_length == 1
+    real = train.parse_args(["--model", "some/dir"])
+    assert real.learning_rate == 1e-6 and real.max_completion_length == 512 and real.reward_funcs == ["accuracy", "format"]
+    explicit = train.parse_args(["--learning_rate", "0.5"])          # an explicit flag wins over the tiny default
+    assert explicit.learning_rate == 0.5 and explicit.max_completion_length == 1
+    grounding = train.parse_args(["--tiny_task", "grounding"])
+    assert grounding.reward_funcs == ["iou"] and grounding.max_completion_length == 12
+
+
+def test_importing_train_parses_nothing(monkeypatch):
+    import importlib
+    monkeypatch.setattr("sys.argv", ["x", "--model", "a/b", "--bogus_flag"])
+    importlib.reload(train)            # used to parse sys.argv at import (and pick the tiny defaults from it)
+    assert not hasattr(train, "p")
+
+
+# ----------------------------------------------------------------------------- rollout and scoring
+def test_rollout_gives_one_group_per_prompt(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path)
+    groups = train.rollout_groups(run, samples, step=1)
+    assert len(groups) == len(samples) and all(len(g.token_ids) == G for g in groups)
+    assert groups[0].texts == ["red", "red", "blue", "blue"] and groups[0].sampler_logps[0] == [-1.0]
+    assert groups[2].sample is samples[2]
+    (reqs,) = run.llm.requests
+    assert [r["prompt_token_ids"] for r in reqs] == [s["vllm_ids"] for s in samples]
+
+
+def test_rollout_refuses_non_finite_sampler_logps(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path)
+    gen = run.llm.generate
+
+    def broken(*a, **k):
+        outs = gen(*a, **k)
+        outs[0].outputs[0].logprobs[0] = {1: types.SimpleNamespace(logprob=float("nan"))}
+        return outs
+    run.llm.generate = broken
+    with pytest.raises(RuntimeError, match="non-finite logprobs"):
+        train.rollout_groups(run, samples, step=1)
+
+
+def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkeypatch):
+    run, samples = make_run(parts, tmp_path)
+    monkeypatch.setitem(train.reward.REWARDS, "picky", lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
+    run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], [1.0, 0.5]
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    for g in groups:
+        right = g.sample["columns"]["solution"]
+        assert g.rewards["accuracy"] == [float(t == right) for t in g.texts]
+        assert g.failed["picky"] == [False, False, True, True] and g.failed["accuracy"] == [False] * G
+        assert g.total == [a + 0.5 * p for a, p in zip(g.rewards["accuracy"], g.rewards["picky"])]
+
+
+# ----------------------------------------------------------------------------- the hook, advantages, micro-batches
+def drop_zero_spread(run, groups, m):
+    """The example filter (DAPO-style): groups whose completions all scored the same carry no signal."""
+    keep = [g for g in groups if max(g.total) > min(g.total)]
+    m["filter/dropped"] = len(groups) - len(keep)
+    return keep
+
+
+def test_a_filter_at_the_hook_drops_zero_spread_groups(parts, tmp_path, monkeypatch):
+    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=4)
+    monkeypatch.setattr(train, "filter_groups", drop_zero_spread)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    m = {}
+    kept = train.filter_groups(run, groups, m)
+    # red/red/blue/blue: zero spread exactly where the answer is neither red nor blue
+    spread = [g for g in groups if g.sample["columns"]["solution"] in ("red", "blue")]
+    assert kept == spread and m["filter/dropped"] == len(groups) - len(spread)
+    train.advantages(run, kept)
+    batches = train.micro_batches(run, kept)
+    assert sum(b["inputs"]["input_ids"].shape[0] for b in batches) == len(kept) * G
+    assert all(b["advantages"].abs().sum() > 0 for b in batches)
+
+
+def test_advantages_are_per_group(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    zero_spread = train.advantages(run, groups)
+    for g in groups:
+        expected = grpo.group_advantages(torch.tensor(g.total), G, "group")[0].tolist()
+        assert g.advantages == pytest.approx(expected)
+    assert zero_spread == sum(max(g.total) == min(g.total) for g in groups) / len(groups)
+
+
+def test_micro_batches_carry_what_the_update_needs(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=8)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    train.advantages(run, groups)
+    batches = train.micro_batches(run, groups)
+    assert len(batches) == len(samples) * G // 8
+    b = batches[1]
+    assert b["inputs"]["completion_mask"].shape == (8, 1) and b["advantages"].shape == (8,)
+    assert b["advantages"].tolist() == pytest.approx(groups[2].advantages + groups[3].advantages)
+    assert b["sampler_logps"] == [[-1.0]] * 8
+
+
+# ----------------------------------------------------------------------------- old/ref log-probs, update
+def test_old_and_ref_logps_only_when_needed(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path, num_iterations=1)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups), train.advantages(run, groups)
+    batches = train.micro_batches(run, groups)
+    train.old_ref_logps(run, batches)
+    assert run.engine.forwards == 0 and batches[0]["old_logps"] is None and batches[0]["ref_logps"] is None
+    run.args.num_iterations, run.ref_engine = 2, FakeEngine(len(parts[0].tokenizer), 1)
+    train.old_ref_logps(run, batches)
+    assert run.engine.forwards == len(batches) and run.ref_engine.forwards == len(batches)
+    assert batches[0]["old_logps"].shape == batches[0]["inputs"]["completion_mask"].shape
+
+
+def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups), train.advantages(run, groups)
+    batches = train.micro_batches(run, groups)
+    train.old_ref_logps(run, batches)
+    tok = parts[0].tokenizer
+    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
+    m = {}
+    stats = train.update(run, batches, m)
+    w = run.engine.module.w.detach()
+    reds = sum(g.sample["columns"]["solution"] == "red" for g in groups)
+    blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
+    assert (w[red] > w[blue]) == (reds > blues) and w[red] != w[blue]
+    assert set(stats) == {"loss", "clip_frac", "kl", "grad_norm", "lr"}
+    assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - torch.log_softmax(torch.zeros(len(tok)), -1)[0].item()))
+
+
+# ----------------------------------------------------------------------------- logging, validation, checkpoint
+def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch):
+    run, samples = make_run(parts, tmp_path)
+    monkeypatch.setitem(train.reward.REWARDS, "picky", lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
+    run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], None
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    m = {"time/rollout": 1.5}
+    train.log_step(run, 3, m, groups, {"loss": 0.1, "kl": 0.0}, zero_spread=0.5)
+    (row,) = [json.loads(line) for line in open(run.metrics_path)]
+    assert row["step"] == 3 and row["reward/picky_failures"] == 2 * len(samples)   # a count, not a mean
+    assert row["reward/zero_spread_groups"] == 0.5 and row["train/loss"] == 0.1 and row["time/rollout"] == 1.5
+    assert row["completion/length"] == 1.0 and row["completion/truncated"] == 0.0
+
+
+def test_reduction_rules():
+    assert [train.reduction(k) for k in ("time/update", "mem/x/host_avail_gb", "mem/x/host_rss_gb",
+                                          "reward/iou_failures", "rollout/logp_diff_max", "reward/mean")] == \
+        ["max", "min", "max", "sum", "max", "mean"]
+
+
+def test_validate_syncs_generates_greedily_and_logs(parts, tmp_path):
+    run, samples = make_run(parts, tmp_path)
+    m = train.validate(run, step=5)
+    assert run.llm.weights == ["w"]                                      # the trainer's weights were sent first
+    assert len(run.llm.requests[0]) == len(samples) and all(sp.temperature == 0 for sp in run.llm.params[0])
+    expected = sum(s["columns"]["solution"] == "red" for s in samples) / len(samples)   # generation 0 says red
+    assert m["val/reward"] == pytest.approx(expected)
+    (row,) = [json.loads(line) for line in open(run.metrics_path)]
+    assert row == {"step": 5, **m}
+
+
+def test_save_commits_a_complete_checkpoint(parts, tmp_path):
+    run, _ = make_run(parts, tmp_path, save_total_limit=2)
+    train.save(run, 4)
+    ckpt = tmp_path / "checkpoint-4"
+    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "trainer_state.json", "zero"]
+    assert json.load(open(ckpt / "trainer_state.json"))["step"] == 4 and not (tmp_path / "checkpoint-4.tmp").exists()
+    assert train.checkpoint.list_checkpoints(str(tmp_path)) == [str(ckpt)]
+
+
+# ----------------------------------------------------------------------------- distributed invariants (2 gloo ranks)
+class EchoLLM:
+    """Stands in for a vLLM engine shared by a TP group: each output names its request's prompt."""
+    def generate(self, requests, params, use_tqdm=False):
+        return [types.SimpleNamespace(prompt=r["prompt_token_ids"]) for r in requests]
+
+
+def _two_rank_worker(rank, port, out_dir):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    result = {}
+    # vLLM tensor parallel 2 with an uneven split (601 validation samples over 2 ranks: 301 and 300)
+    samples = [{"vllm_ids": [rank, i], "images": []} for i in range(3 if rank == 0 else 2)]
+    run = types.SimpleNamespace(args=types.SimpleNamespace(vllm_tensor_parallel_size=2), tp_group=dist.new_group([0, 1]),
+                                device=torch.device("cpu"), llm=EchoLLM())
+    result["tp_outputs"] = [o.prompt for o in train.run_vllm(run, samples, [types.SimpleNamespace(n=1)] * len(samples))]
+    result["tp_expected"] = [s["vllm_ids"] for s in samples]
+    try:   # e.g. one rank with an extra micro-batch: every rank raises, naming the invariant
+        train.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
+    except RuntimeError as e:
+        result["error"] = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
+    import torch.multiprocessing as mp
+    from conftest import free_port
+    mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        r = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert r["tp_outputs"] == r["tp_expected"]            # rank 1 used to get rank 0's third output
+        assert "distributed invariant broken: micro-batches per step and padded completion length" in r["error"]
+        assert f"rank {rank} has [{4 + rank}, 12]" in r["error"] and "[4, 12] to [5, 12]" in r["error"]
