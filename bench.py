@@ -107,7 +107,7 @@ def logprob_child(chunk, grad):
         if chunk is None:
             lp = torch.log_softmax(lm_head(hidden).float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         else:
-            lp = grpo.token_logps(lm_head, hidden, ids, 1.0, chunk)
+            lp = grpo.token_logps(lm_head, hidden, ids, 1.0, chunk)[0]
         if grad:
             lp.sum().backward()
     dt, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,15 +1,22 @@
-"""Checkpoints: full state written atomically, found again, and an HF-format export.
+"""Never lose a run: checkpoints written atomically and found again, an HF-format export, logs
+rewritten atomically, what killed launches leave behind, and preemption.
 
 A checkpoint is output_dir/checkpoint-<step>: DeepSpeed's own save_checkpoint (ZeRO-3 shards,
 optimizer, scheduler) under zero/, one rank<r>.pt per rank (RNG states, data position) and
 trainer_state.json (step, flags, wandb run id). It is written as checkpoint-<step>.tmp and
 renamed last, so a crash mid-save never leaves a directory that resume would take as complete.
+Every other file rewritten in place (metrics.jsonl on resume, the wandb run id) goes through
+write_atomic. A killed launch can leave a JIT-op lock (cleared at the next start when no live
+process holds it) and its /dev/shm allreduce buffers (a clean or preempted exit removes them).
 """
 import json
 import os
 import random
 import re
+import secrets
 import shutil
+import signal
+import time
 
 import numpy as np
 import torch
@@ -74,3 +81,114 @@ def export_model(engine, processor, out_dir, master):
         engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(out_dir)
     dist.barrier()
+
+
+# ----------------------------------------------------------------------------- files that survive a kill
+def write_atomic(path, text):
+    """Replace `path` with `text` at once: a kill at any instant leaves the old file or the new one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def trim_metrics(path, step):
+    """Keep the rows of metrics.jsonl up to `step` (the checkpoint resumed from; later steps are
+    trained and logged again) and return them. A line torn by a kill mid-append is dropped."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    for i, line in enumerate(open(path), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"[resume] {path}:{i}: dropped a torn line (killed mid-write)")
+    keep = [r for r in rows if r["step"] <= step]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+    return keep
+
+
+def wandb_run_id(output_dir, fresh=False):
+    """One wandb run per output_dir: its id is written there on the first launch, before any step,
+    so a relaunch continues the same run even when the first kill came before the first checkpoint."""
+    path = os.path.join(output_dir, "wandb_run_id")
+    if fresh or not os.path.exists(path):
+        write_atomic(path, secrets.token_hex(4))   # wandb's id alphabet; not `random`, which is seeded
+    return open(path).read().strip()
+
+
+# ----------------------------------------------------------------------------- what a killed launch leaves behind
+def clear_stale_locks(ext_dir, settle_s=0.5):
+    """torch builds and loads JIT ops (DeepSpeed's shm_comm on CPU, FusedAdam on GPU) under a lock
+    file in TORCH_EXTENSIONS_DIR (torch.utils.file_baton.FileBaton) and waits, forever, while one
+    exists. A process killed while holding it leaves it behind and every later launch hangs. The
+    holder keeps the file open, so a lock that no live process has open is stale: removed, and said.
+    Linux (/proc); elsewhere nothing is removed. -> the paths removed."""
+    locks = [os.path.join(ext_dir, d, "lock") for d in (os.listdir(ext_dir) if os.path.isdir(ext_dir) else [])]
+    locks = [p for p in locks if os.path.exists(p)]
+    if not locks or not os.path.isdir("/proc/self/fd"):
+        return []
+    removed = []
+    for attempt in range(2):   # twice: a holder between releasing (close) and removing its file is left alone
+        held = open_files()
+        locks = [p for p in locks if os.path.exists(p) and os.path.realpath(p) not in held]
+        if attempt == 0 and locks:
+            time.sleep(settle_s)
+    for p in locks:
+        try:
+            os.remove(p)
+            removed.append(p)
+            print(f"[setup] removed stale lock {p}: no live process holds it (a launch was killed while building "
+                  f"or loading a JIT op); without this every launch would wait on it forever")
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def open_files():
+    """Real paths of every file some process of ours has open (/proc/<pid>/fd)."""
+    held = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:   # gone, or not ours
+                pass
+    return held
+
+
+def remove_shm_buffer(rank):
+    """DeepSpeed's CPU shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_
+    <master addr>_<master port>_<rank> (ops/csrc/cpu/comm/shm.cpp, shm_initialize) and never removes
+    it: ~70 MB per rank per launch. Each rank removes its own at exit (a SIGKILLed one cannot)."""
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
+           f"{os.environ.get('MASTER_PORT')}_{rank}"
+    if os.path.exists(name):
+        os.remove(name)
+
+
+# ----------------------------------------------------------------------------- preemption
+PREEMPTED = 75   # exit code of a preempted run (EX_TEMPFAIL: try again), checkpoint written
+_signalled = []
+
+
+def install_preemption_handler(rank):
+    """SIGTERM (clusters, SLURM's default) and SIGUSR1 (SLURM --signal=USR1@<seconds>) only set a
+    flag; the step in progress finishes on every rank, then train.py checkpoints and exits."""
+    def handler(signum, frame):   # nothing that can fail: it may run at any instant, shutdown included
+        if not _signalled:
+            print(f"[preempt] {signal.Signals(signum).name} on rank {rank}: finishing this step, "
+                  f"then checkpoint and exit {PREEMPTED}", flush=True)
+        _signalled.append(signum)
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, handler)
+
+
+def preemption_requested(device):
+    """True on every rank when any rank was signalled (a collective: call it at the same point on all)."""
+    flag = torch.tensor([float(bool(_signalled))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

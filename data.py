@@ -10,7 +10,9 @@ Accepted sources (`--train_data`, `--val_data`):
 `--columns question=query solution=answer image=img` maps other column names onto ours. Every
 other field is passed to the reward functions. Anything unusable (a bad line, a missing or
 corrupt image, too many images, a prompt longer than --max_prompt_length) is reported with its
-file and line (or row), counted, and skipped; prompts are never cut. Left out: video, streaming.
+file and line (or row), counted, and skipped; prompts are never cut. A sample without an image is a
+text-only prompt (mixed freely with image samples; train.py keeps ZeRO-3's vision-tower calls in
+step on every rank). Left out: video, streaming.
 """
 import contextlib
 import io
@@ -67,11 +69,14 @@ def read_jsonl(path):
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").strip()
-                if line:
-                    row = json.loads(line)
-                    rows.append(dict(row, _where=f"{path}:{i}"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                line = raw.decode("utf-8-sig").strip()   # -sig: a byte-order mark (Windows editors) is not JSON
+                if not line:
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"a JSON {type(row).__name__}, not an object {{...}}")
+                rows.append(dict(row, _where=f"{path}:{i}"))
+            except (UnicodeDecodeError, ValueError) as e:   # json.JSONDecodeError is a ValueError
                 print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
     if not rows:
         sys.exit(f"error: {path} has no usable samples")
@@ -117,10 +122,12 @@ def prepare(row, processor, args):
     """One sample -> the same downscaled images for vLLM and for training. Raises ValueError
     naming the sample for anything that cannot be trained on."""
     where = row["_where"]
-    images = row.get("image", row.get("images")) or []
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    if not images:   # under ZeRO-3 a rank without images would skip the vision tower's collectives
-        raise ValueError(f"{where}: no image; text-only samples are not supported (every rank runs the vision tower)")
+    images = row.get("image", row.get("images"))
+    images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
+    for im in images:   # a path, encoded bytes, a decoded image, or HF's {"bytes", "path"}
+        if isinstance(im, bool) or not isinstance(im, (str, bytes, dict, Image.Image)):
+            raise ValueError(f"{where}: image field holds {type(im).__name__} {im!r}; expected a path, a list of paths, "
+                             f"or an HF datasets image")
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
     base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
@@ -134,7 +141,12 @@ def prepare(row, processor, args):
                                   name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": args.question_template.format(**row)}]
+    try:
+        question = args.question_template.format(**row)
+    except (KeyError, IndexError) as e:
+        raise ValueError(f"{where}: no field {e} that --question_template {args.question_template!r} needs; "
+                         f"the sample has {sorted(k for k in row if not k.startswith('_'))}") from None
+    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": question}]
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
         [{"role": "user", "content": content}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

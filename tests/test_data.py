@@ -42,6 +42,16 @@ def test_bad_lines_are_skipped_with_their_line_number(tmp_path, capsys):
     assert f"{path}:4" in out and "UnicodeDecodeError" in out
 
 
+def test_json_that_is_not_an_object_is_skipped_and_a_bom_is_read(tmp_path, capsys):
+    good = json.dumps(row("ok.png")).encode()
+    path = write_task(tmp_path, [b"\xef\xbb\xbf" + good + b"\n", b"[1, 2]\n", b'"x"\n', b"7\n", good + b"\n"])
+    rows = data.read_jsonl(str(path))
+    assert [r["_where"] for r in rows] == [f"{path}:1", f"{path}:5"]     # the BOM line is read, not lost
+    out = capsys.readouterr().out
+    assert f"{path}:2: skipped, ValueError: a JSON list, not an object" in out
+    assert f"{path}:3: skipped, ValueError: a JSON str" in out and f"{path}:4: skipped, ValueError: a JSON int" in out
+
+
 def test_empty_file_is_refused(tmp_path):
     path = write_task(tmp_path, [b"\n"])
     with pytest.raises(SystemExit, match="no usable samples"):
@@ -53,6 +63,11 @@ def test_empty_file_is_refused(tmp_path):
     (row("corrupt.png"), [], "corrupt.png"),
     (row(["ok.png", "ok.png"]), ["--limit_images", "1"], "2 images > --limit_images 1"),
     (row("ok.png"), ["--max_prompt_length", "10"], "--max_prompt_length 10"),
+    (row(7), [], "image field holds int 7"),
+    (row(True), [], "image field holds bool True"),
+    (row(["ok.png", 3.5]), ["--limit_images", "2"], "image field holds float 3.5"),
+    ({"image": "ok.png", "solution": "red"}, ["--question_template", "{question}"],
+     "no field 'question' that --question_template '{question}' needs; the sample has \\['image', 'solution'\\]"),
 ])
 def test_unusable_samples_are_named(tmp_path, processor, sample, flags, message):
     path = write_task(tmp_path, [sample])

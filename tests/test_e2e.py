@@ -71,3 +71,26 @@ def test_grounding_variant_exercises_iou(tmp_path):
     assert len(train_rows) == 2 and all(r["reward/iou_failures"] == 0 for r in train_rows)   # ground truth parsed
     assert all(0.0 <= r["reward/iou"] <= 1.0 for r in train_rows)
     assert "val/iou" in rows[-1]
+
+
+def test_text_only_rank_beside_an_image_rank(tmp_path, tiny_default):
+    """Mixed data where rank 1 draws only text samples (epoch 0's permutation, every second entry)
+    and rank 0 only image samples: ZeRO-3 stays in step (the text rank runs the vision tower on a
+    dummy image) and vLLM agrees with the trainer on both."""
+    import json
+    import numpy as np
+    model, train_jsonl, _ = tiny_default
+    rows = [json.loads(line) for line in open(train_jsonl)][:16]
+    text_rows = set(np.random.default_rng(0).permutation(16)[1::2].tolist())
+    path = tmp_path / "mixed.jsonl"
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps({"question": "what is 2", "solution": "2"} if i in text_rows else r) + "\n")
+    out, log = launch(tmp_path / "run", "--model", model, "--train_data", str(path), "--image_root",
+                      os.path.dirname(train_jsonl), "--question_template", "{question}", "--reward_funcs", "accuracy",
+                      "--max_prompt_length", "64", "--max_completion_length", "2", "--min_pixels", "784",
+                      "--max_pixels", "3136", "--rollout_batch_size", "4", "--num_generations", "4",
+                      "--max_steps", "3", "--val_freq", "0", "--no-save_final_model", "--no-val_before_train")
+    train_rows = [r for r in out if "reward/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3] and "skipped" not in log
+    assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4

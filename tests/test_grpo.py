@@ -78,7 +78,7 @@ def test_norm_tokens_makes_micro_batches_add_up():
     logps, adv = torch.zeros(4, 2), torch.tensor([1.0, -2.0, 3.0, 0.5])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
     whole, _ = grpo.grpo_loss(logps, logps, adv, mask)
-    parts = sum(grpo.grpo_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2], norm_tokens=5)[0]
+    parts = sum(grpo.grpo_loss(logps[i:i + 2], logps[i:i + 2], adv[i:i + 2], mask[i:i + 2], norm=5)[0]
                 for i in (0, 2))
     assert parts.item() == pytest.approx(whole.item())
 
@@ -103,9 +103,96 @@ def test_chunked_logps_equal_naive(grad):
     hidden = torch.randn(3, 7, 16, requires_grad=grad)
     ids = torch.randint(0, 50, (3, 7))
     naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    chunked = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
-    assert torch.allclose(chunked, naive, atol=1e-5)
+    chunked, nucleus = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
+    assert torch.allclose(chunked, naive, atol=1e-5) and nucleus is None
     if grad:
         g1 = torch.autograd.grad(naive.sum(), hidden)[0]
         g2 = torch.autograd.grad(chunked.sum(), hidden)[0]
         assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_logps_of_the_distribution_the_sampler_drew_from():
+    """Banned ids get probability 0 (vLLM's logit_bias -inf), and with top_p < 1, logps - log_nucleus
+    equals what vLLM's own top-p code (the CPU and PyTorch path) gives as processed log-probs."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden, ids = torch.randn(2, 5, 16), torch.randint(0, 40, (2, 5))
+    banned = torch.tensor([40, 41, 49])
+    with torch.no_grad():
+        logits = head(hidden).float() / 0.7
+    logits[..., banned] = float("-inf")
+    full = torch.log_softmax(logits, -1)
+    for top_p in (1.0, 0.9, 0.5):
+        logps, nucleus = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=3, banned=banned, top_p=top_p)
+        assert torch.allclose(logps, full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+        if top_p == 1.0:
+            assert nucleus is None
+            continue
+        processed = torch.log_softmax(apply_top_k_top_p_pytorch(logits.reshape(10, 50).clone(), None,
+                                                                 torch.full((10,), top_p)), -1).view(2, 5, 50)
+        want = processed.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        inside = torch.isfinite(want)              # the sampler only draws tokens inside the nucleus
+        assert inside.any() and torch.allclose((logps - nucleus)[inside], want[inside], atol=1e-5)
+
+
+def test_dr_grpo_divides_by_a_constant():
+    logps, mask = torch.zeros(2, 4), torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = torch.tensor([4.0, 1.0])
+    loss, _ = grpo.grpo_loss(logps, logps, adv, mask, loss_agg="dr_grpo", norm=2 * 8)   # B x max_completion_length 8
+    assert loss.item() == pytest.approx(-(4.0 + 4 * 1.0) / 16)
+    with pytest.raises(ValueError, match="dr_grpo needs norm"):
+        grpo.grpo_loss(logps, logps, adv, mask, loss_agg="dr_grpo")
+
+
+def test_gspo_sequence_ratio_is_length_normalised_and_clipped_per_sequence():
+    old = torch.zeros(2, 3)
+    logps = torch.tensor([[0.3, -0.1, 5.0], [0.6, 0.6, 0.6]])        # sequence 1's third token is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, 1.0])
+    loss, m = grpo.grpo_loss(logps, old, adv, mask, epsilon=0.2, importance_sampling_level="sequence")
+    s1, s2 = math.exp((0.3 - 0.1) / 2), math.exp(0.6)               # 1.105 (inside), 1.822 (clipped to 1.2)
+    assert loss.item() == pytest.approx(-(2 * s1 + 3 * 1.2) / 5)
+    assert m["clip_frac"] == pytest.approx(3 / 5)                    # every token of sequence 2
+    token, _ = grpo.grpo_loss(logps, old, adv, mask, epsilon=0.2)    # token level differs
+    assert token.item() != pytest.approx(loss.item())
+    lp = logps.clone().requires_grad_()
+    grpo.grpo_loss(lp, old, adv, mask, importance_sampling_level="sequence")[0].backward()
+    assert lp.grad[0, 0] == lp.grad[0, 1] != 0 and lp.grad[0, 2] == 0 and torch.all(lp.grad[1] == 0)
+
+
+@pytest.mark.parametrize("mode,weights,capped", [
+    ("token_truncate", [[0.5, 2.0, 1.0]], 1 / 2),        # ratios e^-ln2 = .5, e^{ln3} = 3 -> capped at 2; pad ignored
+    ("token_mask", [[0.5, 0.0, 1.0]], 1 / 2),
+    ("sequence_truncate", [[1.5]], 0.0),                  # exp(-ln2 + ln3) = 1.5 for the whole completion
+    ("sequence_mask", [[1.5]], 0.0),
+])
+def test_sampler_correction_hand_cases(mode, weights, capped):
+    old = torch.tensor([[-math.log(2), math.log(3), 7.0]])
+    sampler = torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w, m = grpo.sampler_correction(old, sampler, mask, mode, cap=2.0)
+    got = w if w.shape[1] == 1 else w * mask + (1 - mask)        # padding weights are never used
+    assert got.tolist() == [pytest.approx(r) for r in weights]
+    assert m["is_capped_frac"] == pytest.approx(capped)
+    if mode.startswith("token"):
+        assert (m["is_ratio_min"], m["is_ratio_max"], m["is_ratio_mean"]) == pytest.approx((0.5, 3.0, 1.75))
+    assert grpo.sampler_correction(old, sampler, mask, "none") == (None, {})
+
+
+def test_sampler_weights_scale_the_policy_term_not_the_kl():
+    logps = torch.zeros(1, 2)
+    w = torch.tensor([[0.5, 0.0]])
+    loss, _ = grpo.grpo_loss(logps, logps, torch.tensor([2.0]), torch.ones(1, 2), is_weights=w)
+    assert loss.item() == pytest.approx(-(2 * 0.5 + 0) / 2)
+    ref = logps - 1.0
+    loss, _ = grpo.grpo_loss(logps, logps, torch.tensor([0.0]), torch.ones(1, 2), is_weights=w, beta=1.0, ref_logps=ref)
+    assert loss.item() == pytest.approx(math.exp(-1) + 1 - 1)      # the k3 KL, unweighted
+
+
+def test_batch_std_comes_from_the_whole_batch():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    local, _ = grpo.group_advantages(rewards, 2, "batch")
+    wider, _ = grpo.group_advantages(rewards, 2, "batch", batch_std=torch.tensor(2.0))
+    assert wider[:2].tolist() == pytest.approx([-0.5 / 2.0001, 0.5 / 2.0001])
+    assert local[0].item() == pytest.approx(-0.5 / (rewards.std().item() + 1e-4))

@@ -2,6 +2,7 @@
 engine. The fakes stand in for what cannot be small (a ZeRO-3 engine, a vLLM engine); the data,
 processor, rewards, math and torch.distributed collectives (one gloo rank) are the real ones."""
 import json
+import math
 import os
 import types
 
@@ -51,10 +52,12 @@ class FakeEngine:
         self.opt, self.gas, self.calls, self.lr = torch.optim.SGD(self.module.parameters(), lr=lr), gas, 0, lr
         self.forwards = 0
 
-    def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, **mm):
+    def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
+                 top_p=1.0, **mm):
         self.forwards += 1
         C = completion_mask.shape[1]
-        return torch.log_softmax(self.module.w / temperature, -1)[input_ids[:, -C:]]   # (B, C)
+        logits = (self.module.w / temperature).index_fill(0, banned, float("-inf"))
+        return torch.log_softmax(logits, -1)[input_ids[:, -C:]], None   # (B, C), no nucleus
 
     def backward(self, loss):
         (loss / self.gas).backward()
@@ -80,10 +83,19 @@ class FakeEngine:
 
 
 class FakeStream:
+    """Stands in for data.PromptStream: the given prepared samples, in order, round and round."""
     skipped = 0
 
+    def __init__(self, samples=()):
+        self.samples, self.cursor = list(samples), 0
+
+    def next(self, n):
+        out = [self.samples[(self.cursor + i) % len(self.samples)] for i in range(n)]
+        self.cursor += n
+        return out
+
     def state(self):
-        return {"epoch": 0, "cursor": 7, "skipped": 0}
+        return {"epoch": 0, "cursor": self.cursor, "skipped": 0}
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +105,8 @@ def parts(tiny_default, world1):
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--num_generations", str(G), "--rollout_batch_size", "4", "--per_device_train_batch_size", "8",
                              "--beta", "0", "--report_to", "none"])
-    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:4]]
-    return processor, args, samples
+    pool = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:16]]
+    return processor, args, pool[:4], pool
 
 
 def colour_answer(tokenizer):
@@ -104,14 +116,14 @@ def colour_answer(tokenizer):
 
 
 def make_run(parts, tmp_path, **flags):
-    processor, args, samples = parts
+    processor, args, samples, pool = parts
     args = types.SimpleNamespace(**{**vars(args), "output_dir": str(tmp_path), **flags})
-    allowed, banned = train.rollout.sampling_token_ids(processor.tokenizer)
+    banned = train.rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer))
     gas = len(samples) * args.num_generations // args.per_device_train_batch_size
     run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
                     engine=FakeEngine(len(processor.tokenizer), gas), ref_engine=None,
                     llm=FakeLLM(processor.tokenizer, colour_answer(processor.tokenizer)), processor=processor,
-                    stream=FakeStream(), val_samples=samples, banned=frozenset(banned), allowed=allowed,
+                    stream=FakeStream(pool[4:]), val_samples=samples, banned=banned,
                     pad_id=processor.tokenizer.pad_token_id, metrics_path=str(tmp_path / "metrics.jsonl"),
                     wandb=types.SimpleNamespace(log=lambda *a, **k: None, id="fake"))
     return run, samples
@@ -174,7 +186,7 @@ def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- the hook, advantages, micro-batches
-def drop_zero_spread(run, groups, m):
+def drop_zero_spread(run, groups, step, m):
     """The example filter (DAPO-style): groups whose completions all scored the same carry no signal."""
     keep = [g for g in groups if max(g.total) > min(g.total)]
     m["filter/dropped"] = len(groups) - len(keep)
@@ -187,7 +199,7 @@ def test_a_filter_at_the_hook_drops_zero_spread_groups(parts, tmp_path, monkeypa
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
     m = {}
-    kept = train.filter_groups(run, groups, m)
+    kept = train.filter_groups(run, groups, 1, m)
     # red/red/blue/blue: zero spread exactly where the answer is neither red nor blue
     spread = [g for g in groups if g.sample["columns"]["solution"] in ("red", "blue")]
     assert kept == spread and m["filter/dropped"] == len(groups) - len(spread)
@@ -195,6 +207,26 @@ def test_a_filter_at_the_hook_drops_zero_spread_groups(parts, tmp_path, monkeypa
     batches = train.micro_batches(run, kept)
     assert sum(b["inputs"]["input_ids"].shape[0] for b in batches) == len(kept) * G
     assert all(b["advantages"].abs().sum() > 0 for b in batches)
+
+
+@pytest.mark.parametrize("rounds", [4, 1])
+def test_dynamic_sampling_replaces_zero_spread_groups(parts, tmp_path, rounds):
+    """Only red/blue prompts get a spread from the fake sampler (red, red, blue, blue)."""
+    run, samples = make_run(parts, tmp_path, dynamic_sampling=True, max_num_gen_batches=rounds)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    m = {}
+    kept = train.filter_groups(run, groups, 1, m)
+    spread = lambda g: max(g.total) > min(g.total)   # noqa: E731
+    assert len(kept) == run.per_rank == 4
+    pool = [s["columns"]["solution"] for s in parts[3]]
+    if rounds == 4:   # 2 of the first 4 prompts have a spread; the next 4 bring at least 2 more
+        assert all(spread(g) for g in kept) and m["dynamic/filled_count"] == 0
+        assert m["dynamic/rounds_max"] == 2 and run.stream.cursor == 4
+        assert m["dynamic/dropped_count"] == sum(c not in ("red", "blue") for c in pool[:8])
+        assert len(run.llm.requests) == 2 and m["time/dynamic_sampling"] >= 0
+    else:             # no second round: the shortfall is filled with dropped (zero-advantage) groups
+        assert sum(map(spread, kept)) == 2 and m["dynamic/filled_count"] == 2 and m["dynamic/rounds_max"] == 1
 
 
 def test_advantages_are_per_group(parts, tmp_path):
@@ -218,7 +250,7 @@ def test_micro_batches_carry_what_the_update_needs(parts, tmp_path):
     b = batches[1]
     assert b["inputs"]["completion_mask"].shape == (8, 1) and b["advantages"].shape == (8,)
     assert b["advantages"].tolist() == pytest.approx(groups[2].advantages + groups[3].advantages)
-    assert b["sampler_logps"] == [[-1.0]] * 8
+    assert b["sampler_logps"].tolist() == [[-1.0]] * 8
 
 
 # ----------------------------------------------------------------------------- old/ref log-probs, update
@@ -249,8 +281,12 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     reds = sum(g.sample["columns"]["solution"] == "red" for g in groups)
     blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
     assert (w[red] > w[blue]) == (reds > blues) and w[red] != w[blue]
-    assert set(stats) == {"loss", "clip_frac", "kl", "grad_norm", "lr"}
-    assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - torch.log_softmax(torch.zeros(len(tok)), -1)[0].item()))
+    assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/grad_norm", "train/lr",
+                          "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac"}
+    uniform = -math.log(len(tok) - len(run.banned))          # the fake policy before the step, banned ids excluded
+    assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
+    assert stats["rollout/logp_diff_mean"] == pytest.approx(abs(-1.0 - uniform))
+    assert m["sampling/is_ratio_max"] == pytest.approx(math.exp(uniform + 1.0))   # one-token completions
 
 
 # ----------------------------------------------------------------------------- logging, validation, checkpoint
@@ -261,7 +297,7 @@ def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
     m = {"time/rollout": 1.5}
-    train.log_step(run, 3, m, groups, {"loss": 0.1, "kl": 0.0}, zero_spread=0.5)
+    train.log_step(run, 3, m, groups, {"train/loss": 0.1, "train/kl": 0.0}, zero_spread=0.5)
     (row,) = [json.loads(line) for line in open(run.metrics_path)]
     assert row["step"] == 3 and row["reward/picky_failures"] == 2 * len(samples)   # a count, not a mean
     assert row["reward/zero_spread_groups"] == 0.5 and row["train/loss"] == 0.1 and row["time/rollout"] == 1.5
@@ -312,6 +348,12 @@ def _two_rank_worker(rank, port, out_dir):
                                 device=torch.device("cpu"), llm=EchoLLM())
     result["tp_outputs"] = [o.prompt for o in train.run_vllm(run, samples, [types.SimpleNamespace(n=1)] * len(samples))]
     result["tp_expected"] = [s["vllm_ids"] for s in samples]
+    # --scale_rewards batch: the std of the whole batch, both ranks' rewards
+    mine = [[0.0, 1.0], [0.0, 3.0]] if rank == 0 else [[5.0, 5.0], [0.0, 10.0]]
+    groups = [train.Group(sample={}, token_ids=[], sampler_logps=[], texts=[], finish_reasons=[], total=r) for r in mine]
+    run.args.scale_rewards, run.args.num_generations, run.world = "batch", 2, 2
+    train.advantages(run, groups)
+    result["advantages"] = [a for g in groups for a in g.advantages]
     try:   # e.g. one rank with an extra micro-batch: every rank raises, naming the invariant
         train.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
     except RuntimeError as e:
@@ -328,5 +370,38 @@ def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
     for rank in (0, 1):
         r = json.load(open(tmp_path / f"rank{rank}.json"))
         assert r["tp_outputs"] == r["tp_expected"]            # rank 1 used to get rank 0's third output
+        everyone = torch.tensor([0.0, 1.0, 0.0, 3.0, 5.0, 5.0, 0.0, 10.0])
+        mine = everyone[:4] if rank == 0 else everyone[4:]
+        expected = grpo.group_advantages(mine, 2, "batch", batch_std=everyone.std())[0]
+        assert r["advantages"] == pytest.approx(expected.tolist())   # was: divided by this rank's own std
+        assert r["advantages"] != pytest.approx(grpo.group_advantages(mine, 2, "batch")[0].tolist())
         assert "distributed invariant broken: micro-batches per step and padded completion length" in r["error"]
         assert f"rank {rank} has [{4 + rank}, 12]" in r["error"] and "[4, 12] to [5, 12]" in r["error"]
+
+
+# ----------------------------------------------------------------------------- text-only samples
+def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(parts, tiny_default):
+    """ZeRO-3 needs every rank to call the vision tower in every forward; a text-only micro-batch
+    does so on a dummy image whose output joins times 0: same log-probs, zero vision gradients."""
+    processor, args, samples, _ = parts
+    text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
+    assert text["images"] == [] and "pixel_values" not in text["hf"]
+    model = train.load_model(tiny_default[0], args, torch.float32)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    banned = torch.tensor(train.rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer)))
+    batch = data.collate([text, text], [[5, 6], [7]], processor.tokenizer.pad_token_id, banned.tolist())
+    logps, _ = model(**batch, banned=banned)
+    assert calls == [1]
+    visual = {id(p) for p in model.model.visual.parameters()}
+    with torch.no_grad():   # the same forward without the dummy: identical log-probs
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False).last_hidden_state
+        plain, _ = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], banned=banned)
+    assert torch.equal(logps.detach(), plain)
+    (logps * batch["completion_mask"]).sum().backward()
+    grads = [p.grad for p in model.parameters() if id(p) in visual]
+    assert all(g is not None and not g.any() for g in grads)
+    mixed = data.collate([text, samples[0]], [[5], [6]], processor.tokenizer.pad_token_id, banned.tolist())
+    model(**mixed, banned=banned)
+    assert calls == [1, 1]                    # a micro-batch with an image calls it once, for real

