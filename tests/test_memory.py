@@ -147,3 +147,21 @@ def test_phase_entered_twice_adds_its_time_and_keeps_the_worst_memory():
     assert log["time/rollout"] >= 2.0                      # added, not overwritten
     assert log["mem/rollout/host_rss_gb"] == 1e6           # the most used is kept
     assert log["mem/rollout/host_avail_gb"] == -1.0        # the least available is kept
+
+
+def test_device_level_memory_beside_torchs_and_in_the_advice(monkeypatch):
+    """vLLM's pool and sleep are invisible to torch's counters: the device's own figure
+    (total - free) is logged too, and the OOM advice reads it. No CUDA here: the counters are stand-ins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 20 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 25 * GB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 30 * GB)
+    m = memory.measure()
+    assert (m["gpu_device_gb"], m["gpu_reserved_gb"], m["gpu_alloc_gb"]) == (70, 25, 20)
+    assert memory.used_bytes() == 70 * GB
+    table = {f"mem/update/{k}": v for k, v in m.items()}
+    advice = memory.diagnose(torch.OutOfMemoryError("CUDA out of memory"), "update", table)
+    first = advice.split("try, in order:")[1].splitlines()[1]
+    assert "45.0 GB of the device is held outside torch's allocator" in first and "gpu_device" in advice
+    assert "gpu_device=70.00G" in memory.summary(table)

@@ -116,3 +116,21 @@ def test_threads_come_back_after_vllm_lowers_them():
     share, low, restored = map(int, out.stdout.split("THREADS")[1].split())
     assert low == 1 and restored == share == len(os.sched_getaffinity(0))
     assert rollout.torch_threads_share(2) == int(os.environ["OMP_NUM_THREADS"])   # set outside: respected
+
+
+def test_gc_runs_while_vllm_is_awake(monkeypatch):
+    """ms-swift removed its gc.collect() after vLLM's sleep (PR #4770): a vLLM tensor freed while
+    asleep makes its CuMem pool release memory twice. Ours collects before sleep, empties torch's
+    cache after. (CUDA cannot exist here: the engine and the CUDA flag are stand-ins.)"""
+    import gc
+    import memory
+    events = []
+    llm = types.SimpleNamespace(sleep=lambda level: events.append(f"sleep{level}"))
+    monkeypatch.setattr(rollout, "CUDA", True)
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("gc") or 0)
+    monkeypatch.setattr(memory, "empty_cache", lambda: events.append("empty_cache") or 0)
+    rollout.sleep(llm, 2, gc_collect=True)
+    assert events == ["gc", "sleep2", "empty_cache"]
+    events.clear()
+    rollout.sleep(llm, 1, gc_collect=False)
+    assert events == ["sleep1"]

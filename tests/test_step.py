@@ -50,6 +50,7 @@ class FakeEngine:
         self.module = torch.nn.Module()
         self.module.w = torch.nn.Parameter(torch.zeros(vocab))
         self.opt, self.gas, self.calls, self.lr = torch.optim.SGD(self.module.parameters(), lr=lr), gas, 0, lr
+        self.optimizer = self.opt
         self.forwards = 0
 
     def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
@@ -312,13 +313,36 @@ def test_reduction_rules():
 
 def test_validate_syncs_generates_greedily_and_logs(parts, tmp_path):
     run, samples = make_run(parts, tmp_path)
-    m = train.validate(run, step=5)
+    m = train.validate(run, step=5, m={})
     assert run.llm.weights == ["w"]                                      # the trainer's weights were sent first
     assert len(run.llm.requests[0]) == len(samples) and all(sp.temperature == 0 for sp in run.llm.params[0])
     expected = sum(s["columns"]["solution"] == "red" for s in samples) / len(samples)   # generation 0 says red
     assert m["val/reward"] == pytest.approx(expected)
     (row,) = [json.loads(line) for line in open(run.metrics_path)]
     assert row == {"step": 5, **m}
+
+
+def test_validation_offloads_like_a_rollout_and_a_sync_waits_for_an_optimizer_step(parts, tmp_path, monkeypatch):
+    run, samples = make_run(parts, tmp_path)
+    events = []
+    run.offload = ["optim_states"]
+    run.engine.offload_states = lambda include: events.append("offload")
+    run.engine.reload_states = lambda: events.append("reload")
+    gen, rpc = run.llm.generate, run.llm.collective_rpc
+    run.llm.generate = lambda *a, **k: events.append("generate") or gen(*a, **k)
+    run.llm.collective_rpc = lambda *a, **k: events.append("sync") or rpc(*a, **k)
+    train.validate(run, step=0, m={})
+    assert events == ["sync", "offload", "generate", "reload"]     # validation was the peak: states stayed on the GPU
+    events.clear()
+    train.sync(run, {})                                            # the next rollout, no optimizer step since: no sync
+    assert events == ["offload"]
+    run.updates += 1
+    train.sync(run, {})
+    assert events == ["offload", "sync", "offload"]
+    events.clear()
+    run.args.sleep_level = 2                                       # level 2 drops vLLM's weights: always sync
+    train.sync(run, {})
+    assert events == ["sync", "offload"]
 
 
 def test_save_commits_a_complete_checkpoint(parts, tmp_path):

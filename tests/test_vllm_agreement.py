@@ -63,6 +63,17 @@ def test_agree_at_any_temperature_and_top_p(llm, setup, temperature, top_p):
     assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p) < 1e-4
 
 
+def test_a_sync_that_misses_a_weight_is_an_error(llm, setup):
+    """vLLM only logs it; after --sleep_level 2 that weight would hold garbage."""
+    import types
+    model = setup[0]
+    partial = types.SimpleNamespace(named_parameters=lambda: [(n, p) for n, p in model.named_parameters()
+                                                              if n != "model.language_model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp.down_proj.weight"):
+        rollout.sync_weights(llm, partial, bucket_mb=1024)
+    rollout.sync_weights(llm, model, bucket_mb=1024)   # whole again, for the tests that follow
+
+
 def test_buckets_never_split_a_layer(setup):
     model = setup[0]
     for mb in (0, 1, 1024):
