@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 DEMO_FLAGS ?= --val_freq 20 --ds_set zero_optimization.stage3_param_persistence_threshold=0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench gpu-check clean
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
@@ -31,6 +31,12 @@ test: venv
 
 bench: venv
 	$(PY) bench.py
+
+# The first command on a GPU box: the GPU-only path, one pass/fail line per item, runs/gpu-check/report.json.
+# It runs in .venv if there is one, else in python3 (a GPU box's own CUDA stack); GPU_PY=... picks another.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) gpu_check.py $(if $(MODEL),--model $(MODEL))
 
 clean:
 	rm -rf runs .cache

@@ -4,8 +4,8 @@
 plus the node's available memory (always). train.py wraps every phase of a step in
 `phase(name, log)`, which records `mem/<name>/...` and the phase time into the step's metrics.
 `free()` is gc.collect() + empty_cache(), run after every offload and after vLLM sleeps.
-Before loading anything, `estimate_host_memory()` + `preflight()` refuse a run whose ZeRO CPU
-offload and vLLM sleep copies would not fit in the node's host RAM. When memory does run out,
+Before loading anything, train.py asks the planner (planner.py; `python memory.py plan ...` prints
+it) whether the run fits, and refuses one that would not. When memory does run out anyway,
 `is_oom()` + `report_oom()` print the phase, the memory table so far and what to change.
 Left out on purpose: allocator tuning (set PYTORCH_CUDA_ALLOC_CONF yourself), per-tensor tracing.
 """
@@ -29,12 +29,34 @@ def measure():
     back, so torch's allocated/reserved counters neither show all of it nor drop when it sleeps."""
     m = {"host_rss_gb": psutil.Process().memory_info().rss / GB,
          "host_avail_gb": psutil.virtual_memory().available / GB}
+    m.update({f"host_{k}_gb": v / GB for k, v in proc_status().items()})
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         m.update(gpu_device_gb=(total - free) / GB, gpu_alloc_gb=torch.cuda.memory_allocated() / GB,
                  gpu_reserved_gb=torch.cuda.memory_reserved() / GB,
                  gpu_peak_gb=torch.cuda.max_memory_allocated() / GB)
     return m
+
+
+def proc_status():
+    """Linux: this process's peak RSS since the last reset_peak() (VmHWM), and its anonymous memory
+    (RssAnon: what host RAM must hold, unlike file pages the kernel can drop). {} elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            st = dict(line.split(":", 1) for line in f if line.startswith(("VmHWM", "RssAnon")))
+    except OSError:
+        return {}
+    kb = {k: int(v.split()[0]) * 1024 for k, v in st.items()}
+    return {"peak": kb.get("VmHWM", 0), "anon": kb.get("RssAnon", 0)}
+
+
+def reset_peak():
+    """Start a new peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def used_bytes():
@@ -67,11 +89,18 @@ def free():
     return collect() + empty_cache()
 
 
+_open = []   # the peak RSS (bytes) seen so far by each phase open now, innermost last
+
+
 @contextlib.contextmanager
 def phase(name, log):
     """Time a phase of the step and record its memory at exit into `log` (the step's metrics)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    if _open:   # a phase inside another: fold the outer one's peak so far before the window resets
+        _open[-1] = max(_open[-1], proc_status().get("peak", 0))
+    _open.append(0)
+    reset_peak()
     t0 = time.perf_counter()
     try:
         yield
@@ -85,7 +114,13 @@ def phase(name, log):
         # A phase entered again in the same step (dynamic sampling's extra rollouts) adds its time
         # and keeps the worst memory reading: the most used, the least available.
         log[f"time/{name}"] = log.get(f"time/{name}", 0.0) + time.perf_counter() - t0
-        for k, v in measure().items():
+        now = measure()   # host_peak_gb: the phase's peak RSS, phases inside it included
+        peak = max(_open.pop(), int(now.get("host_peak_gb", 0) * GB))
+        if "host_peak_gb" in now:
+            now["host_peak_gb"] = peak / GB
+        if _open:
+            _open[-1] = max(_open[-1], peak)
+        for k, v in now.items():
             key = f"mem/{name}/{k}"
             log[key] = v if key not in log else (min if k.endswith("avail_gb") else max)(log[key], v)
 
@@ -99,71 +134,6 @@ def summary(log):
         if vals:
             parts.append(f"{k[:-3]}={(min if k == 'host_avail_gb' else max)(vals):.2f}G")
     return " ".join(parts)
-
-
-# Host RAM per rank that no flag of ours controls: the Python interpreter and imported modules,
-# the CUDA context and its host-side buffers, NCCL, vLLM's and DeepSpeed's own bookkeeping.
-# A rough guess on the cautious side, not a measurement; it is why ranks per node matter.
-RANK_OVERHEAD_BYTES = 3 * GB
-
-# What to change for each component of the estimate, cheapest fix first where sizes tie.
-HOST_FIX = {
-    "vllm_sleep_copy": "--sleep_level 2 (drops vLLM's host copy of the weights)",
-    "zero_optimizer": "more nodes (ZeRO partitions across them) or turn off offload_optimizer in ds_zero3.json",
-    "zero_params": "more nodes (ZeRO partitions across them) or turn off offload_param in ds_zero3.json",
-    "ref_model": "--ref_offload off or --beta 0",
-    "vllm_weights": "fewer ranks per node (vLLM on CPU keeps every rank's weights in host RAM)",
-    "rank_overhead": "fewer ranks per node",
-}
-
-
-def estimate_host_memory(n_params, ranks_per_node, world_size, dtype_bytes, offload_param, offload_optimizer,
-                         sleep_level, beta, ref_offload, cuda):
-    """Host RAM one node needs, in bytes, by component (only those that apply) plus 'total'.
-
-    Why: a 7B VLM run on 8xH100 used 242 of 251 GB of host RAM, because every rank keeps its
-    own ZeRO-3 CPU-offload partitions *and* its own vLLM level-1 sleep copy of the full weights.
-    ZeRO's parts shrink with world_size; vLLM's copy does not (one per rank, TP=1 assumed).
-    """
-    share = ranks_per_node / world_size  # this node's share of anything ZeRO partitions
-    est = {}
-    if offload_param:  # 16-bit param partitions
-        est["zero_params"] = n_params * dtype_bytes * share
-    if offload_optimizer:  # CPU Adam: fp32 master + exp_avg + exp_avg_sq + fp32 grads = 16 B/param
-        est["zero_optimizer"] = 16 * n_params * share
-    if not cuda:  # vLLM on CPU: the weights live in host RAM whatever the sleep level
-        est["vllm_weights"] = n_params * dtype_bytes * ranks_per_node
-    elif sleep_level == 1:  # level 1 moves the whole (unpartitioned) weights to host RAM, per rank
-        est["vllm_sleep_copy"] = n_params * dtype_bytes * ranks_per_node
-    if beta > 0 and ref_offload:
-        est["ref_model"] = n_params * dtype_bytes * share
-    est["rank_overhead"] = RANK_OVERHEAD_BYTES * ranks_per_node
-    est = {k: int(v) for k, v in est.items()}
-    est["total"] = sum(est.values())
-    return est
-
-
-def preflight(estimate, available_bytes, allow=False):
-    """-> a table of `estimate` against `available_bytes` (GB). Over 90% of it, SystemExit naming
-    the flags to change, largest component first, unless `allow` (--skip_memory_preflight).
-    The 7B run at 242 of 251 GB (see estimate_host_memory) would have stopped here, before loading."""
-    # 10% headroom: page cache, pinned-memory rounding, data workers and images are not modelled.
-    limit = 0.9 * available_bytes
-    rows = [f"  {k:<16}{v / GB:8.1f}" for k, v in estimate.items() if k != "total"]
-    rows += [f"  {'total':<16}{estimate['total'] / GB:8.1f}",
-             f"  {'available':<16}{available_bytes / GB:8.1f}  (limit 90%: {limit / GB:.1f})"]
-    report = "[memory] host RAM estimate per node (GB):\n" + "\n".join(rows)
-    if estimate["total"] <= limit:
-        return report
-    if allow:
-        return report + "\n[memory] over the limit; going on because of --skip_memory_preflight"
-    order = list(HOST_FIX)
-    ranked = sorted((k for k in estimate if k in HOST_FIX and estimate[k] > 0),
-                    key=lambda k: (-estimate[k], order.index(k)))
-    fixes = [f"  {i}. {HOST_FIX[k]}  [{k}: {estimate[k] / GB:.1f} GB]" for i, k in enumerate(ranked, 1)]
-    raise SystemExit(report + f"\n[memory] refusing to start: {estimate['total'] / GB:.1f} GB needed > "
-                     f"{limit / GB:.1f} GB (90% of available). Change, largest first:\n" + "\n".join(fixes)
-                     + "\n  or pass --skip_memory_preflight if you know the estimate is wrong.")
 
 
 # Lower-cased message fragments of torch's CPU allocator and of ENOMEM: host RAM, not the GPU.
@@ -248,3 +218,10 @@ def report_oom(exc, phase=None, table=None):
     phase = phase or getattr(exc, "memory_phase", "unknown")
     print(diagnose(exc, phase, table or {}), file=sys.stderr, flush=True)
     return 3
+
+
+if __name__ == "__main__":   # python memory.py plan [train.py's flags] --gpus_per_node 8 --gpu_gb 80 --host_gb 1024
+    if sys.argv[1:2] != ["plan"]:
+        sys.exit("usage: python memory.py plan [train.py's flags] --gpus_per_node N --gpu_gb G --host_gb H [--nodes K] [--cpu]")
+    import planner
+    sys.exit(planner.main(sys.argv[2:]))

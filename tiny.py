@@ -68,21 +68,33 @@ def build_tokenizer(extra_words=()):
         additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE, model_max_length=4096)
 
 
-def build_model(out_dir, seed=0, extra_words=()):
-    """Random-init tiny Qwen2.5-VL + tokenizer + real processor classes, saved to `out_dir`."""
+# Widths of the text model and the vision tower. "tiny" is the demo's (0.2M parameters); "100m"
+# (~100M parameters, same architecture) is for measuring memory at a size where the model, not the
+# runtime, fills the process (the planner's tests, issue 11).
+SIZES = {
+    "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  mrope_section=[4, 6, 6]),
+             dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2)),
+    "100m": (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=2, mrope_section=[8, 12, 12]),
+             dict(depth=6, hidden_size=640, intermediate_size=1280, num_heads=10)),
+}
+
+
+def build_model(out_dir, seed=0, extra_words=(), size="tiny"):
+    """Random-init Qwen2.5-VL of `size` + tokenizer + real processor classes, saved to `out_dir`."""
     import torch
     from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
     tokenizer = build_tokenizer(extra_words)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    widths, vision_widths = (dict(w) for w in SIZES[size])
+    text = dict(vocab_size=len(tokenizer), max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": widths.pop("mrope_section")},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[1])
+                pad_token_id=ids["<|endoftext|>"], **widths)
+    vision = dict(out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=112, fullatt_block_indexes=[vision_widths["depth"] - 1], **vision_widths)
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
@@ -150,21 +162,23 @@ def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0):
     return out_dir
 
 
-def ensure_default(root=".cache/tiny", task="colour"):
+def ensure_default(root=".cache/tiny", task="colour", size="tiny"):
     """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
 
-    task "colour" (the demo) or "grounding" (its own model: a vocabulary with the numbers 0-56).
-    Safe when several ranks call it at once: each builds in a private temp dir and renames it
-    into place; the losers of the race discard theirs (the content is deterministic)."""
-    final = os.path.join(root, VERSION) if task == "colour" else os.path.join(root, VERSION + "-" + task)
+    task "colour" (the demo) or "grounding" (its own model: a vocabulary with the numbers 0-56);
+    size "tiny" or "100m" (SIZES). Safe when several ranks call it at once: each builds in a
+    private temp dir and renames it into place; the losers of the race discard theirs (the
+    content is deterministic)."""
+    final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size) if x not in ("colour", "tiny")))
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
         if task == "colour":
-            build_model(os.path.join(tmp, "model"))
+            build_model(os.path.join(tmp, "model"), size=size)
             build_task(os.path.join(tmp, "task"))
         else:
-            build_model(os.path.join(tmp, "model"), extra_words=[str(n) for n in range(10, SIZE + 1)] + ["red", "box"])
+            build_model(os.path.join(tmp, "model"), extra_words=[str(n) for n in range(10, SIZE + 1)] + ["red", "box"],
+                        size=size)
             build_grounding_task(os.path.join(tmp, "task"))
         if not os.path.exists(os.path.join(tmp, "model", "config.json")):   # e.g. saved from a non-zero rank
             raise RuntimeError(f"tiny model build in {tmp} is incomplete")
@@ -181,5 +195,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
     p.add_argument("--task", default="colour", choices=["colour", "grounding"], help="which task (and model)")
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model widths")
     a = p.parse_args()
-    print(ensure_default(a.root, a.task))
+    print(ensure_default(a.root, a.task, a.size))

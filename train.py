@@ -42,6 +42,7 @@ import checkpoint  # noqa: E402
 import data
 import grpo
 import memory
+import planner
 import reward
 import rollout
 
@@ -57,6 +58,7 @@ def build_parser():
     p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
+    p.add_argument("--tiny_size", default="tiny", choices=["tiny", "100m"], help="embedded default only: the model's widths (100m: ~100M parameters, for memory measurements)")
     p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
     p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
     p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
@@ -110,7 +112,8 @@ def build_parser():
     p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
     p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
     p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
-    p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the host-RAM estimate does not fit")
+    p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
+    p.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
     # run
     p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
     p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
@@ -232,13 +235,19 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
     ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits, of the
     distribution the sampler draws from (temperature, banned ids). -> (logps, log_nucleus or None)."""
     C = completion_mask.shape[1]
-    # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters as the
-    # others do, in the same order (first), or the collectives mismatch and hang. A dummy 28x28 image
-    # goes through it and joins the output times 0: no effect on the loss or on any gradient.
-    dummy = vision_dummy(self.model.visual) if "pixel_values" not in mm else None
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
-    if dummy is not None:
-        hidden = hidden + 0.0 * dummy
+    # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
+    # others do, in the same order (after the token embeddings, before the decoder layers, as the image
+    # path does), or the collectives mismatch. A dummy 28x28 image goes through it right after the
+    # embedding and joins its output times 0: no effect on the loss or on any gradient.
+    hook = None
+    if "pixel_values" not in mm:
+        hook = self.model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: out + 0.0 * vision_dummy(self.model.visual))
+    try:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
+    finally:
+        if hook is not None:
+            hook.remove()
     return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p)
 
 
@@ -443,7 +452,7 @@ def setup(args):
 
     if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
         import tiny
-        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task)
+        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, {args.tiny_task} task {args.train_data}")
@@ -472,19 +481,11 @@ def setup(args):
     dtype = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(args.output_dir, exist_ok=True)
 
-    # ---- host-RAM preflight, before anything is loaded
+    # ---- the memory plan, before anything is loaded: a run that would run out is refused here
     cfg = ds_config(args, gas, world, bf16)
-    from transformers import AutoConfig, AutoModelForImageTextToText
-    with torch.device("meta"):
-        n_params = sum(t.numel() for t in AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(args.model)).parameters())
-    zo = cfg.get("zero_optimization", {})
-    estimate = memory.estimate_host_memory(
-        n_params, local_world, world, 2 if bf16 else 4,
-        zo.get("offload_param", {}).get("device") == "cpu", zo.get("offload_optimizer", {}).get("device") == "cpu",
-        args.sleep_level, args.beta, args.ref_offload, torch.cuda.is_available())
-    report = memory.preflight(estimate, memory.psutil.virtual_memory().available, allow=args.skip_memory_preflight)
+    report = planner.preflight(args, this_cluster(local_world, world), allow=args.skip_memory_preflight)
     if rank == 0:
-        print(f"[memory] {n_params / 1e6:.1f}M parameters; host RAM this node will need:\n{report}")
+        print(report)
 
     # ---- model, reference, optimizer under ZeRO-3
     check_fused_adam(cfg)
@@ -857,9 +858,30 @@ def finish(run, export=True):
 
 
 # ----------------------------------------------------------------------------- main
+def this_cluster(local_world, world):
+    """The planner's view of this launch: ranks per node, nodes, this GPU's memory, this node's free RAM."""
+    cuda = torch.cuda.is_available()
+    return planner.Cluster(gpus_per_node=local_world, nodes=max(1, world // local_world), cuda=cuda,
+                           gpu_gb=torch.cuda.get_device_properties(0).total_memory / memory.GB if cuda else 0.0,
+                           host_gb=memory.psutil.virtual_memory().available / memory.GB)
+
+
 def main(argv=None):
     from tqdm import tqdm
     args = parse_args(argv)
+    if args.plan:   # `memory.py plan` for this launch, before anything starts
+        if args.model is None:
+            import tiny
+            args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_SIZE", world))
+        check_args(args, world)
+        cluster = this_cluster(local, world)
+        if int(os.environ.get("RANK", 0)) == 0:
+            s = planner.model_shape(args.model)
+            pl = planner.plan(args, cluster, s)
+            print(planner.render(pl, cluster, planner.levers(args, cluster, s, pl)))
+        return
     run = setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
         validate(run, run.start, {})
@@ -908,6 +930,8 @@ def main(argv=None):
         if memory.is_oom(e):
             sys.exit(memory.report_oom(e, table={**m, **carry}))
         raise
+    if carry:   # the last step's validation and checkpoint phases: a row of their own, same step
+        write_metrics(run, reduce_metrics(carry, run.device), args.max_steps)
     finish(run)
 
 

@@ -1,0 +1,143 @@
+"""planner.py against the libraries' own numbers and against measurement on CPU: DeepSpeed's ZeRO-3
+estimator, vLLM's KV page size, torch's count of the activations a forward keeps, the RSS peaks
+per phase of real runs (tiny and 100M models, 1 and 2 ranks, with and without the reference)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import planner
+import train
+from conftest import ROOT, launch
+
+GB = 1024 ** 3
+
+
+def test_builtin_shapes_are_the_published_sizes():
+    published = {"3b": 3.75e9, "7b": 8.29e9, "32b": 33.45e9, "72b": 73.4e9}
+    for name, n in published.items():
+        s = planner.model_shape(name)
+        assert abs(s["n"] - n) / n < 0.005, (name, s["n"])
+        assert 0.66e9 < s["n_vision"] < 0.71e9 and s["V"] == 151936
+    assert planner.model_shape("Qwen/Qwen2.5-VL-7B-Instruct")["n"] == planner.model_shape("7b")["n"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--offload_optimizer"], ["--offload_model"],
+                                   ["--ds_set", 'zero_optimization.offload_param={"device": "none"}',
+                                    'zero_optimization.offload_optimizer={"device": "none"}']])
+def test_zero_terms_add_up_to_deepspeeds_estimator(flags):
+    """The named terms (params 2 B, fp32 gradients 4, fp32 master 4, Adam 8 per parameter and rank)
+    are DeepSpeed's own estimate_zero3_model_states_mem_needs, split."""
+    s = planner.model_shape("7b")
+    args = train.parse_args(["--model", "7b", "--per_device_train_batch_size", "4", *flags])
+    cluster = planner.Cluster(gpus_per_node=8, nodes=2)
+    cfg = train.ds_config(args, 1, 16, bf16=True, cuda=True)
+    terms, where, ds = planner.zero_states(s, args, cluster, cfg)
+    gpu = sum(v for k, v in terms.items() if where[k] == "gpu") + ds["largest_layer_memory"]
+    host = sum(v for k, v in terms.items() if where[k] == "host") * cluster.gpus_per_node
+    assert gpu == pytest.approx(ds["gpu_mem"], rel=1e-6)
+    if any(w == "host" for w in where.values()):
+        assert host == pytest.approx(ds["cpu_mem"], rel=1e-6)
+
+
+def test_kv_bytes_per_token_is_vllms_page_size():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    s = planner.model_shape("7b")
+    page = FullAttentionSpec(block_size=16, num_kv_heads=s["kv_heads"], head_size=s["head_dim"], dtype=torch.bfloat16)
+    assert planner.kv_bytes_per_token(s, 2, 1) == s["L"] * page.page_size_bytes / 16
+    assert planner.kv_bytes_per_token(s, 2, 2) == planner.kv_bytes_per_token(s, 2, 1) / 2
+
+
+def kept_by_forward(fn):
+    """Bytes a forward leaves allocated (what backward will need, plus its output), from torch's own
+    allocator events: CPU, like the device, holds exactly these tensors."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    return mem[-1][1] - (mem[0][1] - mem[0][2]) - out.numel() * out.element_size()
+
+
+@pytest.mark.parametrize("size", ["tiny", "100m"])
+def test_activation_terms_agree_with_torch(size):
+    import tiny
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    path = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), size=size)[0]
+    s = planner.model_shape(path)
+    cfg = AutoConfig.from_pretrained(path)
+    for dtype, p in ((torch.float32, 4), (torch.bfloat16, 2)):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(cfg).to(dtype).train()
+        model.config.use_cache = False
+        for gc in (False, True):
+            if gc:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            ids = torch.randint(0, 50, (2, 128))
+            text = kept_by_forward(lambda: model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state)
+            pixels, grid = torch.randn(128, 1176, dtype=dtype), torch.tensor([[1, 8, 8], [1, 8, 8]])   # 32 image tokens
+            image = kept_by_forward(lambda: model.model.visual(pixels, grid_thw=grid).pooler_output)
+            a = planner.activation_bytes(s, p, gc)
+            assert a["text_token"] == pytest.approx(text / 256, rel=0.15), (size, p, gc)
+            assert a["image_token"] == pytest.approx(image / 32, rel=0.15), (size, p, gc)
+
+
+def test_a_run_that_cannot_fit_is_named_with_its_levers():
+    """The 7B write-up: 8 x H100, 251 GB host, ZeRO-3 offload and vLLM level-1 sleep: host OOM."""
+    args = train.parse_args(["--model", "7b", "--num_generations", "8", "--rollout_batch_size", "64",
+                             "--per_device_train_batch_size", "4", "--max_completion_length", "1024", "--sleep_level", "1"])
+    cluster = planner.Cluster(gpus_per_node=8, gpu_gb=80, host_gb=251)
+    pl = planner.plan(args, cluster)
+    fits, why = planner.verdict(pl, cluster)
+    assert not fits and any("host RAM runs out" in w for w in why)
+    ranked = dict(planner.levers(args, cluster, pl["shape"], pl))
+    assert ranked["--sleep_level 2"] > 100 * GB          # 8 ranks x a 16.6 GB pinned copy
+    with pytest.raises(SystemExit, match="(?s)does not fit.*--sleep_level 2.*--skip_memory_preflight"):
+        planner.preflight(args, cluster)
+    assert "going on" in planner.preflight(args, cluster, allow=True)
+
+
+def test_memory_py_plan_and_train_py_plan():
+    cmd = [sys.executable, "memory.py", "plan", "--model", "7b", "--num_generations", "8", "--gpus_per_node", "1",
+           "--gpu_gb", "80", "--host_gb", "256", "--max_completion_length", "1024", "--per_device_train_batch_size", "1",
+           "--sleep_level", "2", "--beta", "0"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout
+    assert "[plan] 8.29B parameters" in out and "update" in out and "vLLM pool" in out, r.stderr[-2000:]
+    assert ("verdict: fits" in out) == (r.returncode == 0)
+    r = subprocess.run([sys.executable, "train.py", "--plan", "--model", "7b", "--num_generations", "8",
+                        "--per_device_train_batch_size", "8"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "[plan]" in r.stdout and "verdict" in r.stdout, (r.stdout + r.stderr)[-2000:]
+
+
+# ----------------------------------------------------------------------------- against measurement
+RUN = ["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_train_batch_size", "8", "--max_steps", "2",
+       "--val_freq", "2", "--save_steps", "2", "--no-save_final_model"]
+
+
+@pytest.mark.parametrize("size,procs,beta", [(size, procs, beta) for size in ("tiny", "100m") for procs in (1, 2)
+                                             for beta in ("0.04", "0")])
+def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, size, procs, beta):
+    """Each phase's RSS peak (mem/<phase>/host_peak_gb, the worst rank, from step 2 on: the optimizer's
+    states exist) against the plan's host figure for one rank of the CPU stack."""
+    rows, _ = launch(tmp_path, "--tiny_size", size, "--beta", beta, *RUN, procs=procs)
+    args = train.parse_args(["--tiny_size", size, "--beta", beta, *RUN])
+    import tiny
+    args.model = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), size=size)[0]
+    plan = {ph: host / GB for ph, (_, host) in planner.peaks(planner.plan(args, planner.Cluster(procs, cuda=False))).items()}
+    measured = {}
+    for r in rows:
+        for k, v in r.items():
+            if r["step"] >= 2 and k.endswith("/host_peak_gb"):
+                measured[k.split("/")[1]] = max(measured.get(k.split("/")[1], 0), v)
+    compared = [ph for ph in planner.PHASES if ph in measured]
+    assert {"sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint"} <= set(compared)
+    off = {ph: (round(measured[ph], 2), round(plan[ph], 2)) for ph in compared if abs(plan[ph] / measured[ph] - 1) > 0.15}
+    assert not off, off
