@@ -156,12 +156,12 @@ def setup():
 def bench_rollout(args, llm, processor, samples, rows, out):
     import rollout
     from vllm import SamplingParams
-    allowed, _ = rollout.sampling_token_ids(processor.tokenizer)
+    bias = rollout.logit_bias(rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer)))
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
 
     def sps(step):  # train.py's SamplingParams; both sides of a pair get the same seeds, so the same work
         return [SamplingParams(n=G, temperature=args.temperature, top_p=args.top_p, max_tokens=MAX_TOKENS,
-                               logprobs=0, allowed_token_ids=allowed, seed=hash((args.seed, step, 0, i)) % 2 ** 31)
+                               logprobs=0, logit_bias=bias, seed=hash((args.seed, step, 0, i)) % 2 ** 31)
                 for i in range(len(reqs))]
 
     def path(step=0):

@@ -218,6 +218,7 @@ class Run:
     updates: int = 0                 # update phases run by this process
     synced_at: int = None            # `updates` when vLLM last got the weights (None: never)
     hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
+    wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
 
     @property
     def master(self):
@@ -565,7 +566,7 @@ def setup(args):
                            if wandb_on else "disabled")
     run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if run.master:   # continue without duplicated steps: keep the rows up to the checkpoint (atomically)
-        kept = checkpoint.trim_metrics(run.metrics_path, run.start)
+        kept = checkpoint.trim_metrics(run.metrics_path, run.start if ckpt else -1)   # no checkpoint: start over
         # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
         # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
         for row in kept if wandb_on else []:
@@ -807,14 +808,25 @@ def log_step(run, step, m, groups, stats, zero_spread):
                 table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
                                run.processor.tokenizer.decode(g.sample["vllm_ids"]), text, g.total[i],
                                *[g.rewards[n][i] for n in args.reward_funcs])
-        run.wandb.log({"completions": table}, step=step)
+        wandb_call(run, run.wandb.log, {"completions": table}, step=step)
 
 
 def write_metrics(run, m, step):
+    """Rank 0: one row of metrics.jsonl, and the same to wandb. A wandb failure (its service killed
+    with the job, say) costs only wandb's copy: the next launch logs the missing rows again."""
     if run.master:
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, **m}) + "\n")
-        run.wandb.log(m, step=step)
+        wandb_call(run, run.wandb.log, m, step=step)
+
+
+def wandb_call(run, fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except Exception as e:   # never lose a step of training for its log
+        if not run.wandb_failed:
+            print(f"[wandb] {type(e).__name__}: {e}; metrics.jsonl keeps every row, the next launch re-logs them")
+        run.wandb_failed = True
 
 
 def validate(run, step, m):
@@ -851,7 +863,7 @@ def finish(run, export=True):
     """Export the final model, close wandb, plot."""
     if export and run.args.save_final_model and not run.args.val_only:
         checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master)
-    run.wandb.finish()
+    wandb_call(run, run.wandb.finish)
     if run.master:
         print(f"[done] metrics: {run.metrics_path}  plot: {plot_rewards(run.metrics_path)}")
     dist.barrier()

@@ -51,16 +51,16 @@ ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold
 FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8"]  # for runs that test plumbing, not learning
 
 
-def command(out_dir, flags, procs):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+def command(out_dir, flags, procs, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
     cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "train.py",
            "--output_dir", str(out_dir), *ZERO3_SMALL, *flags]
     return cmd, env
 
 
-def launch(out_dir, *flags, procs=2, timeout=1800):
+def launch(out_dir, *flags, procs=2, timeout=1800, env=None):
     """Run train.py under the real deepspeed launcher; -> (metrics rows, log). Fails on rc != 0."""
-    cmd, env = command(out_dir, flags, procs)
+    cmd, env = command(out_dir, flags, procs, env)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = r.stdout + r.stderr
     os.makedirs(out_dir, exist_ok=True)
@@ -73,3 +73,37 @@ def launch(out_dir, *flags, procs=2, timeout=1800):
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def wandb_records(path):
+    """The protobuf records of an offline run's .wandb file (wandb 0.31 writes it from its Go core:
+    LevelDB's log format, 32 KiB blocks of 7-byte-headed chunks, after a 7-byte W&B header)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    raw, pos, block, buf = open(path, "rb").read(), 7, 32768, b""
+    while pos + 7 <= len(raw):
+        room = block - pos % block
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7]) if room >= 7 else (0, 0, 0)
+        if room < 7 or (length == 0 and kind == 0):   # block trailer or padding
+            pos += room
+            continue
+        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        buf = data if kind in (1, 2) else buf + data   # FULL / FIRST start a record, MIDDLE / LAST continue it
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def wandb_history(out_dir):
+    """{run id: {step: set of keys}} over every offline run directory of a run's wandb/ folder."""
+    import glob
+    runs = {}
+    for path in glob.glob(os.path.join(out_dir, "wandb", "offline-run-*", "run-*.wandb")):
+        run_id = os.path.basename(path)[4:-6]
+        steps = runs.setdefault(run_id, {})
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "history":
+                steps.setdefault(r.history.step.num, set()).update(
+                    i.key or "/".join(i.nested_key) for i in r.history.item)
+    return runs

@@ -1,5 +1,9 @@
-"""Never lose a run: a resumed run reproduces the uninterrupted one bitwise (CPU, fp32), after a
-SIGKILL in the middle of a step and in the middle of a checkpoint save, with 2 and 1 processes."""
+"""Never lose a run: ten SIGKILLs at aimed moments (start-up, mid-step before the first checkpoint,
+mid-save, mid-validation, ...) and the relaunched run ends exactly as an unbroken one, with one wandb
+run and its full history; a stale JIT lock does not hang a launch; metrics.jsonl survives a kill
+while it is rewritten; preemption (SIGTERM to the job, SIGUSR1 to the ranks) checkpoints the step
+and exits 75; a resumed run reproduces the uninterrupted one bitwise with 1 process too."""
+import json
 import os
 import shutil
 import signal
@@ -7,31 +11,44 @@ import subprocess
 import sys
 import time
 
-from conftest import FAST, ROOT, command, launch, read_metrics
+import pytest
+
+from conftest import FAST, ROOT, command, launch, read_metrics, wandb_history
 
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
          "--num_iterations", "2", "--report_to", "wandb"]
 SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/clip_frac",
-        "completion/length", "val/reward")
+        "completion/length", "val/reward", "train/lr")
 
 
-def start_and_kill(out_dir, when, procs=2):
-    """Start the run and SIGKILL its whole process group (launcher + ranks) once `when()` holds."""
-    cmd, env = command(out_dir, FLAGS, procs)
+def start(out_dir, flags=FLAGS, procs=2, name="killed"):
+    """Start the run in its own process group; -> (process, path of this launch's log)."""
+    cmd, env = command(out_dir, flags, procs)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "killed.log"), "a") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 900
-        while p.poll() is None and not when() and time.time() < deadline:
-            time.sleep(0.001)
-        assert p.poll() is None, "the run ended before the kill point"
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    n = len([f for f in os.listdir(out_dir) if f.startswith(name)])
+    path = os.path.join(out_dir, f"{name}{n}.log")
+    log = open(path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), path
 
 
-def logged(out_dir, step):
+def start_and_kill(out_dir, when):
+    """SIGKILL the whole process group (launcher + ranks) once when(this launch's log) holds."""
+    p, path = start(out_dir)
+    deadline = time.time() + 900
+    while p.poll() is None and not when(open(path).read()) and time.time() < deadline:
+        time.sleep(0.001)
+    assert p.poll() is None, "the run ended before the kill point:\n" + open(path).read()[-3000:]
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def rows(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
-    return os.path.exists(path) and any(r["step"] >= step for r in read_metrics(out_dir) if "reward/mean" in r)
+    return read_metrics(out_dir) if os.path.exists(path) else []
+
+
+def trained(out_dir, step):
+    return any(r["step"] == step and "reward/mean" in r for r in rows(out_dir))
 
 
 def assert_same(a, b):
@@ -42,20 +59,40 @@ def assert_same(a, b):
             assert x.get(k) == y.get(k), (x["step"], k, x.get(k), y.get(k))   # bitwise: ==, not approx
 
 
-def test_sigkill_mid_save_and_mid_step_then_resume_exactly(tmp_path, tiny_default):
+def assert_one_complete_wandb_run(out_dir, metrics):
+    """One run id over every launch, and every row of metrics.jsonl (steps and keys) in its history."""
+    runs = wandb_history(out_dir)
+    assert len(runs) == 1, runs.keys()
+    (history,) = runs.values()
+    assert open(os.path.join(out_dir, "wandb_run_id")).read().strip() in runs
+    for r in metrics:
+        missing = set(r) - {"step"} - history.get(r["step"], set())
+        assert not missing, (r["step"], sorted(missing)[:5])
+
+
+def test_ten_kills_then_resume_exactly(tmp_path, tiny_default):
     full, _ = launch(tmp_path / "full", *FLAGS)
     run = tmp_path / "run"
-    # 1. killed while checkpoint-4 is being written: the partial .tmp must never be picked
-    start_and_kill(run, lambda: os.path.isdir(run / "checkpoint-4.tmp"))
-    assert not (run / "checkpoint-4").exists()
-    # 2. resumed (from checkpoint-2), then killed in the middle of step 5
-    start_and_kill(run, lambda: logged(run, 4) and (run / "checkpoint-4").is_dir())
-    # 3. resumed from checkpoint-4 to the end
-    rows, log = launch(run, *FLAGS)
+    ready = "[setup] 2 ranks"   # this launch has resumed (metrics.jsonl trimmed, wandb run open)
+    kills = [
+        lambda log: time.sleep(4) or True,                                             # 1. importing
+        lambda log: "[setup] embedded default" in log,                                 # 2. loading (JIT op, vLLM)
+        lambda log: ready in log,                                                      # 3. right after set-up
+        lambda log: ready in log and any(r["step"] == 0 for r in rows(run)),           # 4. step 1, no checkpoint yet
+        lambda log: ready in log and (run / "checkpoint-2.tmp").is_dir(),             # 5. mid-save
+        lambda log: ready in log and (run / "checkpoint-2").is_dir() and not trained(run, 3),   # 6. step 3
+        lambda log: ready in log and trained(run, 3) and not any("val/reward" in r and r["step"] == 3 for r in rows(run)),
+        lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(),             # 8. mid-save
+        lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5),
+        lambda log: ready in log and (run / "checkpoint-6.tmp").is_dir(),             # 10. mid-save, last step
+    ]
+    for when in kills:
+        start_and_kill(run, when)
+    assert not (run / "checkpoint-6").exists()
+    out, log = launch(run, *FLAGS)
     assert "[resume] from" in log and "checkpoint-4: step 4" in log
-    assert_same(full, rows)
-    run_ids = {d.rsplit("-", 1)[1] for d in os.listdir(run / "wandb") if d.startswith("offline-run-")}
-    assert len(run_ids) == 1, run_ids                   # the resumed runs continued the same wandb run
+    assert_same(full, out)
+    assert_one_complete_wandb_run(run, out)
     ckpts = sorted(d for d in os.listdir(run) if d.startswith("checkpoint"))
     assert ckpts == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]   # no .tmp left behind
     # the exported model loads in transformers, and in vLLM, which generates from an image with it
@@ -85,12 +122,113 @@ print("GENERATED", repr(out[0].outputs[0].text))
 """
 
 
+def preempted_at(log):
+    """The step a preempted launch checkpointed, from its own line ("[preempt] checkpoint-K written ...")."""
+    text = open(log).read()
+    found = [line for line in text.splitlines() if line.startswith("[preempt] checkpoint-")]
+    assert found and "exit 75" in found[0], text[-3000:]
+    return int(found[0].split("checkpoint-")[1].split()[0].rstrip(";"))
+
+
+def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
+    """SIGTERM to the whole job (as scancel does: DeepSpeed's launcher forwards it and gives the ranks
+    30 s), then SIGUSR1 to the ranks only (SLURM --signal=USR1@...): each time every rank finishes
+    the step, a checkpoint of that step is written, and the ranks exit 75; the requeued run resumes."""
+    import psutil
+    full, _ = launch(tmp_path / "full", *FLAGS)
+    run = tmp_path / "run"
+    p, log = start(run, name="preempted")
+    while not (run / "checkpoint-2").is_dir() and p.poll() is None:   # step 3 (not a save step) under way
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGTERM)
+    while True:   # the launcher exits at once; the ranks finish the step first
+        p.poll()  # reap the launcher: a zombie still counts in its process group
+        try:
+            os.killpg(p.pid, 0)
+            time.sleep(0.1)
+        except ProcessLookupError:
+            break
+    k = preempted_at(log)
+    assert k >= 3 and (run / f"checkpoint-{k}").is_dir() and not (run / f"checkpoint-{k + 1}").exists()
+    p, log = start(run, name="preempted")
+    while not trained(run, k + 1) and p.poll() is None:
+        time.sleep(0.01)
+    ranks = [c for c in psutil.Process(p.pid).children(recursive=True) if "train.py" in " ".join(c.cmdline())
+             and "--local_rank" in " ".join(c.cmdline())]
+    assert len(ranks) == 2
+    for c in ranks:
+        c.send_signal(signal.SIGUSR1)
+    assert p.wait(timeout=600) == 75, open(log).read()[-3000:]   # the launcher passes the ranks' code on
+    j = preempted_at(log)
+    assert j > k and (run / f"checkpoint-{j}").is_dir() and f"checkpoint-{k}: step {k}" in open(log).read()
+    out, _ = launch(run, *FLAGS)
+    assert_same(full, out)
+    assert_one_complete_wandb_run(run, out)
+
+
+def test_a_stale_jit_lock_does_not_hang_a_launch(tmp_path, tiny_default):
+    """A kill while a rank holds torch's extension-build lock used to leave it behind, and every
+    later launch waited on it forever. Its own TORCH_EXTENSIONS_DIR, with the op already built."""
+    ext = tmp_path / "torch_extensions"
+    shutil.copytree(os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")), ext)
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    lock.touch()
+    rows_, log = launch(tmp_path / "run", *FAST, "--max_steps", "1", "--val_freq", "0", "--no-save_final_model",
+                        timeout=600, env={"TORCH_EXTENSIONS_DIR": str(ext)})
+    assert f"removed stale lock {lock}" in log and not lock.exists()
+    assert [r["step"] for r in rows_ if "reward/mean" in r] == [1]
+
+
+def test_a_lock_with_a_live_holder_is_left_alone(tmp_path):
+    import checkpoint
+    (tmp_path / "op").mkdir()
+    held, stale = tmp_path / "op" / "lock", tmp_path / "other"
+    fd = os.open(held, os.O_CREAT | os.O_EXCL)   # as torch's FileBaton holds it
+    try:
+        stale.mkdir()
+        (stale / "lock").touch()
+        assert checkpoint.clear_stale_locks(str(tmp_path), settle_s=0.01) == [str(stale / "lock")]
+        assert held.exists()
+    finally:
+        os.close(fd)
+
+
+KILL_MID_REWRITE = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+import checkpoint
+slow = json.dumps
+checkpoint.json.dumps = lambda *a, **k: (time.sleep(0.01), slow(*a, **k))[1]   # a slow disk
+print("REWRITING", flush=True)
+checkpoint.trim_metrics({path!r}, 40)
+"""
+
+
+def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
+    """Resuming keeps metrics.jsonl's rows up to the checkpoint. It used to truncate the file and
+    then write them: a kill in between lost every row. Now a temp file is renamed over it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 52)))
+    p = subprocess.Popen([sys.executable, "-c", KILL_MID_REWRITE.format(root=ROOT, path=str(path))],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "REWRITING"
+    time.sleep(0.2)   # well inside the ~0.4 s rewrite
+    p.kill()
+    p.wait()
+    steps = [json.loads(line)["step"] for line in open(path)]
+    assert steps == list(range(1, 52))            # the old file, whole (the rename never happened)
+    with open(path, "a") as f:
+        f.write('{"step": 52, "x"')              # a row torn by a kill mid-append
+    import checkpoint
+    assert [r["step"] for r in checkpoint.trim_metrics(str(path), 40)] == list(range(1, 41))
+
+
 def test_resume_exact_with_one_process(tmp_path, tiny_default):
     flags = [*FAST, "--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--rollout_batch_size", "8",
              "--no-save_final_model"]
     full, _ = launch(tmp_path / "full", *flags, procs=1)
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "checkpoint-4")
-    rows, log = launch(tmp_path / "cut", *flags, procs=1)
+    rows_, log = launch(tmp_path / "cut", *flags, procs=1)
     assert "checkpoint-2: step 2" in log
-    assert_same(full, rows)
+    assert_same(full, rows_)
