@@ -139,6 +139,7 @@ def setup():
     import rollout
     import tiny
     import train
+    from model import load_model
     from transformers import AutoProcessor
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,7 +149,7 @@ def setup():
     args = train.parse_args(["--max_completion_length", str(MAX_TOKENS)])
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=PROMPTS * G, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = train.load_model(model_dir, args, torch.float32).eval()
+    model = load_model(model_dir, args, torch.float32).eval()
     samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:PROMPTS]]
     return args, llm, processor, model, samples
 

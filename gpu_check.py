@@ -22,6 +22,7 @@ import traceback
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 import torch
+import model as policy_model  # noqa: E402  (the name `model` is a local below)
 
 GB = 1024 ** 3
 ITEMS = {}
@@ -72,12 +73,12 @@ class Box:
         args = train.parse_args(["--model", self.model, "--per_device_train_batch_size", "4", "--rollout_batch_size", "2",
                                  "--num_generations", "2", *flags])
         gas = train.check_args(args, 1)
-        cfg = train.ds_config(args, gas, 1, bf16=bf16)
-        train.check_fused_adam(cfg)
+        cfg = policy_model.ds_config(args, gas, 1, bf16=bf16)
+        policy_model.check_fused_adam(cfg)
         keep = HfDeepSpeedConfig(cfg)
-        model = train.load_model(self.model, args, torch.bfloat16 if bf16 else torch.float32)
+        model = policy_model.load_model(self.model, args, torch.bfloat16 if bf16 else torch.float32)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                          lr_scheduler=train.lr_schedule(args.warmup_steps))
+                                          lr_scheduler=policy_model.lr_schedule(args.warmup_steps))
         engine._keep_config = keep
         return engine, args, cfg
 
@@ -100,9 +101,9 @@ def states_devices(engine, kinds):
 def fused_adam(box):
     import train
     args = train.parse_args(["--per_device_train_batch_size", "4", "--offload_optimizer"])
-    cfg = train.ds_config(args, 1, 1, bf16=True, cuda=True)
+    cfg = policy_model.ds_config(args, 1, 1, bf16=True, cuda=True)
     t0 = time.time()
-    return {"loaded": train.check_fused_adam(cfg, cuda=True), "seconds": time.time() - t0}
+    return {"loaded": policy_model.check_fused_adam(cfg, cuda=True), "seconds": time.time() - t0}
 
 
 @item
@@ -165,11 +166,10 @@ def offload_states_two_steps_and_after_resume(box):
 
 @item
 def reference_placement(box):
-    import train
     engine, args, cfg = box.engine("--offload_model")
     out = {}
     for ref_offload in (True, False):
-        ref = train.load_reference(args, torch.bfloat16, train.reference_config(cfg, ref_offload))
+        ref = policy_model.load_reference(args, torch.bfloat16, policy_model.reference_config(cfg, ref_offload))
         devices = {p.ds_tensor.device.type for p in ref.module.parameters()}
         out[f"ref_offload={ref_offload}"] = sorted(devices)
         assert devices == ({"cpu"} if ref_offload else {"cuda"}), (ref_offload, devices)
@@ -242,14 +242,13 @@ def vllm_case(box, level, dtype):
     """One engine with sleep mode at `level`: the cycle the trainer runs, measured. -> figures."""
     import data
     import rollout
-    import train
     from vllm import SamplingParams
     torch_dtype = getattr(torch, dtype)
     args = argparse.Namespace(**{**vars(box.args), "sleep_level": level, "vllm_gpu_memory_utilization": 0.3})
     share = rollout.torch_threads_share(1)
     llm = rollout.create_engine(box.model, args, dtype, 16, 0)
     threads = rollout.restore_threads(share)
-    model = train.load_model(box.model, args, torch_dtype).cuda().eval()
+    model = policy_model.load_model(box.model, args, torch_dtype).cuda().eval()
     awake = device_gb()
     freed = rollout.sleep(llm, level, gc_collect=True)
     asleep = device_gb()

@@ -19,7 +19,6 @@ The GPU terms (CUDA context, vLLM's pool, pinned buffers) are unmeasured until a
 Left out: pipeline parallelism, LoRA, fragmentation (a 5% margin stands in for it).
 """
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -144,13 +143,13 @@ def plan(args, cluster, s=None):
     """-> {"phases": {phase: {"gpu": {term: bytes}, "host": {term: bytes}}}, "shape", "notes", ...}.
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
     every term is host RAM and "host" is one rank's, as metrics.jsonl's mem/*/host_peak_gb measures."""
-    import train
+    from model import ds_config
     s = s or model_shape(args.model)
     world, ranks = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node
     p = 2 if (args.bf16 if args.bf16 is not None else cluster.cuda) else 4
     per_rank_seqs = args.rollout_batch_size // world * args.num_generations
     mb = args.per_device_train_batch_size or max(d for d in range(1, 9) if per_rank_seqs % d == 0)
-    cfg = train.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
+    cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
     image_tokens = min(args.limit_images * args.max_pixels // 784, args.max_prompt_length)

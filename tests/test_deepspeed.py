@@ -2,18 +2,19 @@
 import pytest
 import torch
 
+import model
 import train
 
 
-def ds_engine(flags, model=None):
+def ds_engine(flags, net=None):
     import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
                              *flags])
     gas = train.check_args(args, 1)
-    model = model or torch.nn.Linear(4, 3)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=train.ds_config(args, gas, 1, bf16=False),
-                                      lr_scheduler=train.lr_schedule(args.warmup_steps))
+    net = net or torch.nn.Linear(4, 3)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=model.ds_config(args, gas, 1, bf16=False),
+                                      lr_scheduler=model.lr_schedule(args.warmup_steps))
     return engine
 
 
@@ -49,26 +50,26 @@ def zero(cfg):
 def test_offload_flags_change_only_what_they_name():
     def cfg(*flags, cuda=True):
         args = train.parse_args(["--per_device_train_batch_size", "4", *flags])
-        return train.ds_config(args, 1, 1, bf16=True, cuda=cuda)
+        return model.ds_config(args, 1, 1, bf16=True, cuda=cuda)
     assert zero(cfg()) == {"offload_param": "cpu", "offload_optimizer": "cpu"}          # ds_zero3.json's static offload
-    model = cfg("--offload_model")        # params move with offload_states (which needs offload_param none) ...
-    assert zero(model) == {"offload_param": "none", "offload_optimizer": "cpu"}       # ... the optimizer stays offloaded
-    assert model["optimizer"]["params"]["torch_adam"] is True
+    params = cfg("--offload_model")       # params move with offload_states (which needs offload_param none) ...
+    assert zero(params) == {"offload_param": "none", "offload_optimizer": "cpu"}      # ... the optimizer stays offloaded
+    assert params["optimizer"]["params"]["torch_adam"] is True
     optim = cfg("--offload_optimizer")    # states on the GPU to be moved, by FusedAdam, the only one offload_states moves
     assert zero(optim) == {"offload_param": "none", "offload_optimizer": "none"}
     assert optim["optimizer"]["params"]["torch_adam"] is False
     assert zero(cfg("--offload_model", "--offload_optimizer", cuda=False)) == zero(cfg())   # CPU: a stated no-op
     assert cfg()["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in train.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
+    assert "data_types" not in model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
 
 
 def test_bf16_gradients_accumulate_in_fp32(world1):
     import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2"])
     gas = train.check_args(args, 1)
-    model = torch.nn.Linear(4, 3)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=train.ds_config(args, gas, 1, bf16=True))
+    net = torch.nn.Linear(4, 3)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=model.ds_config(args, gas, 1, bf16=True))
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
     assert engine.optimizer.gradient_accumulation_dtype == torch.float32   # ZeRO-3's own partition buffers
 
@@ -87,13 +88,13 @@ def test_reference_is_sharded_by_its_own_config(world1, tiny_default, monkeypatc
     monkeypatch.setattr(partition_parameters.Init, "__init__", spy)
     args = train.parse_args(["--model", tiny_default[0], "--per_device_train_batch_size", "4", "--ds_set",
                              'zero_optimization.offload_param={"device": "none"}'])
-    cfg = train.ds_config(args, 1, 1, bf16=False)
+    cfg = model.ds_config(args, 1, 1, bf16=False)
     trainer = HfDeepSpeedConfig(cfg)                          # the trainer's, alive as in setup()
     for ref_offload, where in ((True, OffloadDeviceEnum.cpu), (False, torch.device("cpu"))):
         seen.clear()
-        ref = train.load_reference(args, torch.float32, train.reference_config(cfg, ref_offload))
+        ref = model.load_reference(args, torch.float32, model.reference_config(cfg, ref_offload))
         assert seen and set(seen) == {where}, (ref_offload, seen)
-        assert train.transformers_ds_config() is trainer       # later loads see the trainer's again
+        assert model.transformers_ds_config() is trainer       # later loads see the trainer's again
         assert all(hasattr(p, "ds_tensor") for p in ref.module.parameters())
 
 
@@ -135,9 +136,9 @@ def test_fused_adam_is_loaded_before_anything_with_a_clear_error(monkeypatch):
             raise RuntimeError("Error building extension 'fused_adam'\n/bin/sh: 1: nvcc: not found")
     monkeypatch.setattr(op_builder, "FusedAdamBuilder", NoNvcc)
     args = train.parse_args(["--per_device_train_batch_size", "4", "--offload_optimizer"])
-    cfg = train.ds_config(args, 1, 1, bf16=True, cuda=True)
+    cfg = model.ds_config(args, 1, 1, bf16=True, cuda=True)
     with pytest.raises(SystemExit, match="(?s)FusedAdam.*nvcc: not found.*DS_BUILD_FUSED_ADAM=1"):
-        train.check_fused_adam(cfg, cuda=True)
-    static = train.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=True, cuda=True)
-    assert train.check_fused_adam(static, cuda=True) is False      # static CPU offload: CPU Adam, nothing to build
-    assert train.check_fused_adam(cfg, cuda=False) is False
+        model.check_fused_adam(cfg, cuda=True)
+    static = model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=True, cuda=True)
+    assert model.check_fused_adam(static, cuda=True) is False      # static CPU offload: CPU Adam, nothing to build
+    assert model.check_fused_adam(cfg, cuda=False) is False

@@ -152,6 +152,7 @@ def test_gspo_sequence_ratio_is_length_normalised_and_clipped_per_sequence():
     adv = torch.tensor([1.0, 1.0])
     loss, m = grpo.grpo_loss(logps, old, adv, mask, epsilon=0.2, importance_sampling_level="sequence")
     s1, s2 = math.exp((0.3 - 0.1) / 2), math.exp(0.6)               # 1.105 (inside), 1.822 (clipped to 1.2)
+    assert s1 < 1.2 < s2
     assert loss.item() == pytest.approx(-(2 * s1 + 3 * 1.2) / 5)
     assert m["clip_frac"] == pytest.approx(3 / 5)                    # every token of sequence 2
     token, _ = grpo.grpo_loss(logps, old, adv, mask, epsilon=0.2)    # token level differs

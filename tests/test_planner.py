@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import planner
+import model
 import train
 from conftest import ROOT, launch
 
@@ -35,7 +36,7 @@ def test_zero_terms_add_up_to_deepspeeds_estimator(flags):
     s = planner.model_shape("7b")
     args = train.parse_args(["--model", "7b", "--per_device_train_batch_size", "4", *flags])
     cluster = planner.Cluster(gpus_per_node=8, nodes=2)
-    cfg = train.ds_config(args, 1, 16, bf16=True, cuda=True)
+    cfg = model.ds_config(args, 1, 16, bf16=True, cuda=True)
     terms, where, ds = planner.zero_states(s, args, cluster, cfg)
     gpu = sum(v for k, v in terms.items() if where[k] == "gpu") + ds["largest_layer_memory"]
     host = sum(v for k, v in terms.items() if where[k] == "host") * cluster.gpus_per_node

