@@ -14,9 +14,10 @@ function, failure flags, advantages) flows through the phases; `Run` holds what 
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
         --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
 
-Data formats and images: data.py. The math: grpo.py. vLLM and the weight sync: rollout.py.
-Memory: memory.py. Checkpoints: checkpoint.py. Left out on purpose: a trainer class, callbacks,
-PEFT, a vLLM server mode, video.
+Flags: flags.py. The model and its DeepSpeed config: model.py. Data and images: data.py. The
+math: grpo.py. vLLM and the weight sync: rollout.py. Memory: memory.py, and the plan before
+launch: planner.py (`--plan`). Checkpoints, kills, preemption: checkpoint.py. Left out on
+purpose: a trainer class, callbacks, PEFT, a vLLM server mode, video.
 """
 import argparse
 import atexit

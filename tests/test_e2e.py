@@ -6,9 +6,15 @@ import pytest
 
 from conftest import FAST, launch
 
+def shm_buffers():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_")} if os.path.isdir("/dev/shm") else set()
+
+
 def test_two_process_run(tmp_path, tiny_default):
+    before = shm_buffers()
     rows, log = launch(tmp_path, *FAST, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
                        "--report_to", "wandb", "--run_name", "e2e")
+    assert shm_buffers() <= before   # DeepSpeed's ~70 MB per rank in /dev/shm: removed at exit
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
     for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/zero_spread_groups", "completion/length",
