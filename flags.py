@@ -32,6 +32,8 @@ def build_parser():
     p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
     p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
     p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
+    p.add_argument("--lr_scheduler_type", default="constant", choices=["constant", "linear", "cosine"],
+                   help="after the warmup: hold the rate, or decay it to 0 at the last optimizer step (max_steps x num_iterations)")
     p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
                    help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
@@ -103,9 +105,9 @@ def build_parser():
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
 TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
                      max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
-                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0,
+                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
-TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=12, max_prompt_length=80)}  # a box: ~12 tokens
+TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80)}  # a box: 12 tokens + stop
 
 
 def parse_args(argv=None):

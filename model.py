@@ -5,6 +5,7 @@ the DeepSpeed config filled from the flags, the LR schedule. Plain functions: th
 against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
 """
 import json
+import math
 import sys
 import types
 
@@ -138,12 +139,19 @@ def transformers_ds_config():
     return ref() if ref is not None else None
 
 
-def lr_schedule(warmup_steps):
-    """-> the LR scheduler DeepSpeed builds on its optimizer: optimizer step k (from 1) uses
-    lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0.
-    Not DeepSpeed's WarmupLR: it raises warmup_num_steps to at least 2 and starts from
-    warmup_min_lr, so with no warmup the first two steps trained at lr 0 and the third at half
-    (deepspeed/runtime/lr_schedules.py). DeepSpeed steps it after each optimizer step and saves
-    it in checkpoints."""
-    factor = lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0   # noqa: E731  s: steps taken
+def lr_schedule(warmup_steps, kind="constant", total=None):
+    """-> the LR scheduler DeepSpeed builds on its optimizer. Optimizer step k (from 1) uses
+    lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0; after
+    the warmup, `kind` (HF's names) holds it (constant) or decays it to 0 at optimizer step `total`
+    (linear, cosine). Not DeepSpeed's WarmupLR: it raises warmup_num_steps to at least 2 and starts
+    from warmup_min_lr, so with no warmup the first two steps trained at lr 0 and the third at half
+    (deepspeed/runtime/lr_schedules.py). DeepSpeed steps it after each optimizer step and saves it
+    in checkpoints."""
+    def factor(s):   # s: optimizer steps taken before this one
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup_steps) / max(1, total - warmup_steps))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -14,7 +14,8 @@ def ds_engine(flags, net=None):
     net = net or torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                       config=model.ds_config(args, gas, 1, bf16=False),
-                                      lr_scheduler=model.lr_schedule(args.warmup_steps))
+                                      lr_scheduler=model.lr_schedule(args.warmup_steps, args.lr_scheduler_type,
+                                                                        args.max_steps * args.num_iterations))
     return engine
 
 
@@ -24,13 +25,17 @@ def weights(engine):
         return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
 
 
-@pytest.mark.parametrize("warmup,rates", [(0, [0.01, 0.01, 0.01]), (4, [0.0025, 0.005, 0.0075])])
-def test_each_optimizer_step_uses_the_logged_rate(world1, warmup, rates):
+@pytest.mark.parametrize("flags,rates", [(["--warmup_steps", "0", "--lr_scheduler_type", "constant"], [0.01, 0.01, 0.01]),
+                                         (["--warmup_steps", "4", "--lr_scheduler_type", "constant"], [0.0025, 0.005, 0.0075]),
+                                         (["--lr_scheduler_type", "linear", "--max_steps", "4"], [0.01, 0.0075, 0.005]),
+                                         (["--lr_scheduler_type", "cosine", "--max_steps", "3", "--warmup_steps", "1"],
+                                          [0.01, 0.01, 0.005])])
+def test_each_optimizer_step_uses_the_logged_rate(world1, flags, rates):
     """AdamW's first steps move every weight by about the learning rate (m/sqrt(v) = sign of the
     gradient), so the step's own rate is read off the weights. With WarmupLR (before) and no
     warmup, steps 1 and 2 did not move the weights at all and step 3 moved them by half."""
     torch.manual_seed(0)
-    engine = ds_engine(["--learning_rate", "0.01", "--warmup_steps", str(warmup), "--weight_decay", "0"])
+    engine = ds_engine(["--learning_rate", "0.01", "--weight_decay", "0", *flags])
     x = torch.randn(2, 4)
     for rate in rates:
         logged = engine.get_lr()[0]            # what train.update logs for the step

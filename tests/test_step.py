@@ -139,7 +139,7 @@ def test_parse_args_tiny_defaults_only_without_model():
     explicit = train.parse_args(["--learning_rate", "0.5"])          # an explicit flag wins over the tiny default
     assert explicit.learning_rate == 0.5 and explicit.max_completion_length == 1
     grounding = train.parse_args(["--tiny_task", "grounding"])
-    assert grounding.reward_funcs == ["iou"] and grounding.max_completion_length == 12
+    assert grounding.reward_funcs == ["iou"] and grounding.max_completion_length == 16
 
 
 def test_importing_train_parses_nothing(monkeypatch):
