@@ -27,7 +27,7 @@ demo: venv
 	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK)) $(DEMO_FLAGS)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: venv
 	$(PY) bench.py

@@ -19,7 +19,7 @@ def build_parser():
     p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
-    p.add_argument("--tiny_size", default="tiny", choices=["tiny", "100m"], help="embedded default only: the model's widths (100m: ~100M parameters, for memory measurements)")
+    p.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"], help="embedded default only: the model's widths (tiny.SIZES; small: wide enough to read where a box is; 100m: ~100M parameters, for memory measurements)")
     p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
     p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
     p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
@@ -107,7 +107,8 @@ TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_le
                      max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
                      val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
-TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80)}  # a box: 12 tokens + stop
+TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80, tiny_size="small",
+                                learning_rate=5e-4, num_generations=8)}  # a box: 12 tokens + stop
 
 
 def parse_args(argv=None):
