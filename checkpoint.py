@@ -86,6 +86,24 @@ def drop_offload_buffers(engine):
     return len(found)
 
 
+def resume(engine, stream, args, rank):
+    """Load --resume (auto: the newest complete checkpoint; none; or a path): weights, optimizer,
+    scheduler, this rank's data position and RNG. -> (the checkpoint or None, its step or 0)."""
+    ckpt = {"auto": (list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
+    if not ckpt:
+        return None, 0
+    engine.load_checkpoint(ckpt, tag="zero")
+    drop_offload_buffers(engine)   # older checkpoints carry offload_states' host buffers
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        step = json.load(f)["step"]
+    mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
+    set_rng_state(mine["rng"])
+    stream.load(mine["stream"])
+    if rank == 0:
+        print(f"[resume] from {ckpt}: step {step}")
+    return ckpt, step
+
+
 def list_checkpoints(output_dir):
     """Complete checkpoints (renamed from .tmp, with trainer_state.json), oldest first."""
     found = []

@@ -197,6 +197,17 @@ class PromptStream:
         return out
 
 
+def validation_samples(args, processor, rank, world):
+    """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name."""
+    rows, out = Rows(args.val_data, args.columns, args.image_root), []
+    for i in range(rank, len(rows), world):
+        try:
+            out.append(prepare(rows[i], processor, args))
+        except ValueError as e:
+            print(f"[data] validation: skipped {e}")
+    return out
+
+
 def reward_columns(samples):
     """The samples' fields as the reward functions take them: {field: [value per sample]}."""
     return {k: [s["columns"].get(k) for s in samples] for k in (samples[0]["columns"] if samples else {})}

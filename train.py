@@ -14,15 +14,15 @@ function, failure flags, advantages) flows through the phases; `Run` holds what 
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
         --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
 
-Flags: flags.py. The model and its DeepSpeed config: model.py. Data and images: data.py. The
-math: grpo.py. vLLM and the weight sync: rollout.py. Memory: memory.py, and the plan before
-launch: planner.py (`--plan`). Checkpoints, kills, preemption: checkpoint.py. Left out on
-purpose: a trainer class, callbacks, PEFT, a vLLM server mode, video.
+Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over ranks and the
+checked invariants: ranks.py. Data and images: data.py. The math: grpo.py. vLLM and the weight
+sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`).
+Checkpoints, resume, kills, preemption: checkpoint.py. Left out on purpose: a trainer class,
+callbacks, PEFT, a vLLM server mode, video.
 """
 import argparse
 import atexit
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -44,6 +44,7 @@ import grpo
 import memory
 import model
 import planner
+import ranks
 import reward
 import rollout
 from flags import check_args, parse_args  # noqa: F401  (train.parse_args: the flags of this script)
@@ -107,70 +108,18 @@ def completion_logps(engine, batch, run, top_p=1.0):
                   banned=torch.tensor(run.banned, dtype=torch.long, device=run.device))
 
 
-# ----------------------------------------------------------------------------- distributed helpers
-def reduction(key):
-    """How a logged number combines over ranks, so that it means one thing at any rank count."""
-    if key.startswith(("time/", "mem/")) or key.endswith(("_max", "_min")):
-        return "min" if key.endswith(("avail_gb", "_min")) else "max"   # the slowest rank, the fullest node
-    if key.endswith(("_failures", "_count")) or key == "data/skipped":
-        return "sum"                                          # counts
-    return "mean"                                             # means over equal shares of the batch
-
-
-def reduce_metrics(m, device, how=reduction):
-    """All-reduce a flat dict of floats over ranks, each key by `how(key)`: sum, mean, max or min."""
-    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    for name, op in ops.items():
-        ks = [k for k in sorted(m) if how(k) == name]
-        if ks:   # every rank has the same keys, so the same collectives
-            t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=op)
-            for k, v in zip(ks, t.tolist()):
-                m[k] = v / dist.get_world_size() if name == "mean" else v
-    return m
-
-
-def check_same(name, values, device, group=None):
-    """Raise on every rank when `values` (ints) differ between the ranks of `group` (all ranks by
-    default). A broken invariant then names itself instead of hanging the next collective."""
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    lo, hi = t.clone(), t.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(lo, hi):
-        raise RuntimeError(f"distributed invariant broken: {name} must be the same on every rank"
-                           f"{' of the vLLM tensor-parallel group' if group is not None else ''}; rank {dist.get_rank()} has "
-                           f"{values}, the ranks range from {lo.tolist()} to {hi.tolist()}")
-
-
-def digest(obj):
-    """A stable 63-bit fingerprint of a picklable-by-repr structure."""
-    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 1
-
-
-def tp_gather(items, group, tp):
-    """vLLM tensor parallel: every rank of a TP group must submit the same requests. -> (the group's
-    items in rank order, this rank's offset in them); ranks may hold different numbers of items."""
-    if tp == 1:
-        return items, 0
-    got = [None] * tp
-    dist.all_gather_object(got, items, group=group)
-    me = dist.get_rank(group)
-    return [x for part in got for x in part], sum(len(part) for part in got[:me])
-
-
 def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
     tp = run.args.vllm_tensor_parallel_size
     requests = [{"prompt_token_ids": s["vllm_ids"], **({"multi_modal_data": {"image": s["images"]}} if s["images"] else {})}
                 for s in samples]
-    reqs, offset = tp_gather(requests, run.tp_group, tp)
-    params, _ = tp_gather(sps, run.tp_group, tp)
+    reqs, offset = ranks.tp_gather(requests, run.tp_group, tp)
+    params, _ = ranks.tp_gather(sps, run.tp_group, tp)
     if tp > 1:   # vLLM would mix up outputs (or hang) if the group's ranks submitted different requests
-        check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
-                   [digest([(r["prompt_token_ids"], [im.size for im in r.get("multi_modal_data", {}).get("image", [])])
-                            for r in reqs]
-                           + [repr(sp) for sp in params])], run.device, run.tp_group)
+        sizes = lambda r: [im.size for im in r.get("multi_modal_data", {}).get("image", [])]  # noqa: E731
+        ranks.check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
+                         [ranks.digest([(r["prompt_token_ids"], sizes(r)) for r in reqs] + [repr(sp) for sp in params])],
+                         run.device, run.tp_group)
     outs = rollout.generate(run.llm, reqs, params)
     return outs[offset:offset + len(samples)]
 
@@ -255,14 +204,7 @@ def setup(args):
 
     # ---- data
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
-    val_samples = None
-    if args.val_data:
-        val_rows, val_samples = data.Rows(args.val_data, args.columns, args.image_root), []
-        for i in range(rank, len(val_rows), world):
-            try:
-                val_samples.append(data.prepare(val_rows[i], processor, args))
-            except ValueError as e:
-                print(f"[data] validation: skipped {e}")
+    val_samples = data.validation_samples(args, processor, rank, world) if args.val_data else None
 
     # ---- the trainer states that leave the GPU while vLLM generates
     if (args.offload_optimizer or args.offload_model) and not torch.cuda.is_available():
@@ -279,17 +221,7 @@ def setup(args):
               tied=bool(getattr(policy.config, "tie_word_embeddings", False)), offload=offload, hf_ds_config=dschf)
 
     # ---- resume: weights, optimizer, scheduler, step, data position, RNG
-    ckpt = {"auto": (checkpoint.list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
-    if ckpt:
-        engine.load_checkpoint(ckpt, tag="zero")
-        checkpoint.drop_offload_buffers(engine)   # older checkpoints carry offload_states' host buffers
-        with open(os.path.join(ckpt, "trainer_state.json")) as f:
-            run.start = json.load(f)["step"]
-        mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
-        checkpoint.set_rng_state(mine["rng"])
-        stream.load(mine["stream"])
-        if run.master:
-            print(f"[resume] from {ckpt}: step {run.start}")
+    ckpt, run.start = checkpoint.resume(engine, stream, args, rank)
 
     # ---- logging: metrics.jsonl (rank 0) and wandb (rank 0; a disabled run elsewhere, so no ifs)
     import wandb
@@ -446,7 +378,7 @@ def micro_batches(run, groups):
             sampler[j, :len(s[2])] = torch.tensor(s[2])
         batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
                             sampler_logps=sampler, old_logps=None, ref_logps=None))
-    check_same("micro-batches per step and padded completion length", [len(batches), C], run.device)
+    ranks.check_same("micro-batches per step and padded completion length", [len(batches), C], run.device)
     return batches
 
 
@@ -532,7 +464,7 @@ def log_step(run, step, m, groups, stats, zero_spread):
     for name in args.reward_funcs:
         m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
         m[f"reward/{name}_failures"] = sum(f for g in groups for f in g.failed[name])
-    reduce_metrics(m, run.device)
+    ranks.reduce_metrics(m, run.device)
     write_metrics(run, m, step)
     if run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0:
         import wandb
@@ -677,7 +609,7 @@ def main(argv=None):
             sys.exit(memory.report_oom(e, table={**m, **carry}))
         raise
     if carry:   # the last step's validation and checkpoint phases: a row of their own, same step
-        write_metrics(run, reduce_metrics(carry, run.device), args.max_steps)
+        write_metrics(run, ranks.reduce_metrics(carry, run.device), args.max_steps)
     finish(run)
 
 

@@ -11,6 +11,7 @@ import torch
 
 import data
 import grpo
+import ranks
 import train
 
 G = 4
@@ -306,7 +307,7 @@ def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch
 
 
 def test_reduction_rules():
-    assert [train.reduction(k) for k in ("time/update", "mem/x/host_avail_gb", "mem/x/host_rss_gb",
+    assert [ranks.reduction(k) for k in ("time/update", "mem/x/host_avail_gb", "mem/x/host_rss_gb",
                                           "reward/iou_failures", "rollout/logp_diff_max", "reward/mean")] == \
         ["max", "min", "max", "sum", "max", "mean"]
 
@@ -379,7 +380,7 @@ def _two_rank_worker(rank, port, out_dir):
     train.advantages(run, groups)
     result["advantages"] = [a for g in groups for a in g.advantages]
     try:   # e.g. one rank with an extra micro-batch: every rank raises, naming the invariant
-        train.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
+        ranks.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
     except RuntimeError as e:
         result["error"] = str(e)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
