@@ -78,7 +78,7 @@ class Box:
         keep = HfDeepSpeedConfig(cfg)
         model = policy_model.load_model(self.model, args, torch.bfloat16 if bf16 else torch.float32)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                          lr_scheduler=policy_model.lr_schedule(args.warmup_steps))
+                                          lr_scheduler=policy_model.lr_schedule(args))
         engine._keep_config = keep
         return engine, args, cfg
 

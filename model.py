@@ -139,14 +139,16 @@ def transformers_ds_config():
     return ref() if ref is not None else None
 
 
-def lr_schedule(warmup_steps, kind="constant", total=None):
+def lr_schedule(args):
     """-> the LR scheduler DeepSpeed builds on its optimizer. Optimizer step k (from 1) uses
     lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0; after
-    the warmup, `kind` (HF's names) holds it (constant) or decays it to 0 at optimizer step `total`
-    (linear, cosine). Not DeepSpeed's WarmupLR: it raises warmup_num_steps to at least 2 and starts
-    from warmup_min_lr, so with no warmup the first two steps trained at lr 0 and the third at half
-    (deepspeed/runtime/lr_schedules.py). DeepSpeed steps it after each optimizer step and saves it
-    in checkpoints."""
+    the warmup, --lr_scheduler_type (HF's names) holds it (constant) or decays it to 0 at the last
+    optimizer step, max_steps x num_iterations (linear, cosine). Not DeepSpeed's WarmupLR: it
+    raises warmup_num_steps to at least 2 and starts from warmup_min_lr, so with no warmup the
+    first two steps trained at lr 0 and the third at half (deepspeed/runtime/lr_schedules.py).
+    DeepSpeed steps it after each optimizer step and saves it in checkpoints."""
+    warmup_steps, kind, total = args.warmup_steps, args.lr_scheduler_type, args.max_steps * args.num_iterations
+
     def factor(s):   # s: optimizer steps taken before this one
         if s < warmup_steps:
             return (s + 1) / warmup_steps

@@ -182,8 +182,7 @@ def setup(args):
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=cfg,
-                                      lr_scheduler=model.lr_schedule(args.warmup_steps, args.lr_scheduler_type,
-                                                                        args.max_steps * args.num_iterations))
+                                      lr_scheduler=model.lr_schedule(args))
     ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) if args.beta > 0 else None
 
     # ---- vLLM, one engine per rank (or per TP group)

@@ -14,8 +14,7 @@ def ds_engine(flags, net=None):
     net = net or torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                       config=model.ds_config(args, gas, 1, bf16=False),
-                                      lr_scheduler=model.lr_schedule(args.warmup_steps, args.lr_scheduler_type,
-                                                                        args.max_steps * args.num_iterations))
+                                      lr_scheduler=model.lr_schedule(args))
     return engine
 
 
