@@ -149,12 +149,18 @@ GROUNDING_QUESTION = "Find the red square. Answer with its box [x1, y1, x2, y2].
 GROUNDING_SIZE = 28   # one image token: 2x2 patches of 14 merged, concatenated in a fixed order
 
 
-def random_box(rng):
+GROUNDING_WORDS = [str(n) for n in range(10, SIZE + 1)] + ["red", "box"]   # the grounding model's extra words
+
+
+def random_box(rng, shift=0):
     """The red square's box [x1, y1, x2, y2]: a 10-pixel square 2 pixels into one of the four 14x14
-    patches of a 28x28 image. One image token holds the four patches side by side (the merger
-    concatenates them), so which patch is red can be read off the token's content. Harder layouts
-    were tried first and GRPO stalled at the best image-blind box (README, the grounding demo)."""
-    x, y = rng.randint(0, 1) * GROUNDING_SIZE // 2 + 2, rng.randint(0, 1) * GROUNDING_SIZE // 2 + 2
+    patches of a 28x28 image (with `shift`, 0 to `shift` pixels into it). One image token holds the
+    four patches side by side (the merger concatenates them), so which patch is red can be read off
+    the token's content. Harder layouts were tried first and GRPO stalled at the best image-blind
+    box (README, the grounding demo)."""
+    into = lambda: rng.randint(0, shift) if shift else 2   # noqa: E731
+    x = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
+    y = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
     return [x, y, x + 10, y + 10]
 
 
@@ -162,7 +168,7 @@ def box_text(box):
     return "[" + ", ".join(map(str, box)) + "]"   # 12 tokens in this vocabulary
 
 
-def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0):
+def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0, shift=0):
     """The grounding variant: a red square and a circle of another colour in another patch; the
     solution is the square's box [x1, y1, x2, y2] in pixels of the 28x28 image, scored by reward.iou."""
     from PIL import Image, ImageDraw
@@ -172,10 +178,10 @@ def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0):
         with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
             for i in range(n):
                 img = Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE), tuple(rng.randint(200, 255) for _ in range(3)))
-                box = random_box(rng)
-                other = random_box(rng)
+                box = random_box(rng, shift)
+                other = random_box(rng, shift)
                 while [v // (GROUNDING_SIZE // 2) for v in other[:2]] == [v // (GROUNDING_SIZE // 2) for v in box[:2]]:
-                    other = random_box(rng)
+                    other = random_box(rng, shift)
                 d = ImageDraw.Draw(img)
                 d.ellipse(other, fill=COLOURS[rng.choice(["green", "blue", "yellow"])])
                 d.rectangle(box, fill=COLOURS["red"])
@@ -183,6 +189,25 @@ def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0):
                 img.save(os.path.join(out_dir, rel))
                 f.write(json.dumps({"image": rel, "question": GROUNDING_QUESTION, "solution": box}) + "\n")
     return out_dir
+
+
+def box_prompt(proc):
+    """The grounding prompt as train.py builds it for the embedded task, and its length in tokens."""
+    from PIL import Image
+    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": GROUNDING_QUESTION}]}],
+                                      tokenize=False, add_generation_prompt=True)
+    return prompt, len(proc(text=[prompt], images=[Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE))])["input_ids"][0])
+
+
+def supervised_step(model, proc, opt, prompt, n_prompt, images, answers):
+    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). All
+    answers have the same number of tokens (box_text), so nothing is padded."""
+    enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, return_tensors="pt")
+    labels = enc["input_ids"].clone()
+    labels[:, :n_prompt] = -100
+    model(**enc, labels=labels).loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
@@ -198,20 +223,13 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     proc = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     rows = [json.loads(line) for line in open(os.path.join(task_dir, "train.jsonl"))]
-    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": GROUNDING_QUESTION}]}],
-                                      tokenize=False, add_generation_prompt=True)
     rng, _ = random.Random(seed), torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    n_prompt = len(proc(text=[prompt], images=[Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE))])["input_ids"][0])
+    prompt, n_prompt = box_prompt(proc)
     for _ in range(steps):
         picks = rng.sample(rows, batch)
         images = [Image.open(os.path.join(task_dir, r["image"])).convert("RGB") for r in picks]
-        enc = proc(text=[prompt + box_text(random_box(rng)) + "<|im_end|>" for _ in picks], images=images, return_tensors="pt")
-        labels = enc["input_ids"].clone()
-        labels[:, :n_prompt] = -100
-        model(**enc, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        supervised_step(model, proc, opt, prompt, n_prompt, images, [box_text(random_box(rng)) for _ in picks])
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
@@ -230,8 +248,7 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny"):
             build_model(os.path.join(tmp, "model"), size=size)
             build_task(os.path.join(tmp, "task"))
         else:
-            build_model(os.path.join(tmp, "model"), extra_words=[str(n) for n in range(10, SIZE + 1)] + ["red", "box"],
-                        size=size)
+            build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size)
             build_grounding_task(os.path.join(tmp, "task"))
             teach_box_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
         if not os.path.exists(os.path.join(tmp, "model", "config.json")):   # e.g. saved from a non-zero rank

@@ -2,8 +2,9 @@
 TRUE boxes (no RL), greedy IoU on 32 validation images every 100 steps. A size that cannot learn
 this supervised cannot learn it from GRPO's much thinner signal (README, the grounding demo).
 
-    OMP_NUM_THREADS=2 .venv/bin/python tools/grounding_probe.py --size small --fixed --steps 400
---fixed: the square sits at one position per patch (4 possible boxes), not shifted 0-3 pixels."""
+    OMP_NUM_THREADS=2 .venv/bin/python tools/grounding_probe.py --size small --steps 400
+--shift 3: the square sits 0-3 pixels into its patch (16 positions per patch), not at the
+embedded task's one position per patch (4 possible boxes)."""
 import argparse
 import json
 import os
@@ -22,28 +23,20 @@ import tiny  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="tiny", choices=sorted(tiny.SIZES))
-    p.add_argument("--fixed", action="store_true")
+    p.add_argument("--shift", type=int, default=0, help="0: the embedded task's 4 boxes; 3: shifted 0-3 pixels")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=1e-3)
     a = p.parse_args()
     from transformers import AutoModelForImageTextToText, AutoProcessor
     root = tempfile.mkdtemp(prefix="probe-")
-    if a.fixed:
-        def fixed_box(rng):   # each box 2 pixels into its patch
-            x, y = rng.randint(0, 1) * 14 + 2, rng.randint(0, 1) * 14 + 2
-            return [x, y, x + 10, y + 10]
-        tiny.random_box = fixed_box
-    tiny.build_grounding_task(os.path.join(root, "task"))
-    tiny.build_model(os.path.join(root, "model"), extra_words=[str(n) for n in range(10, tiny.SIZE + 1)] + ["red", "box"],
-                     size=a.size)
+    tiny.build_grounding_task(os.path.join(root, "task"), shift=a.shift)
+    tiny.build_model(os.path.join(root, "model"), extra_words=tiny.GROUNDING_WORDS, size=a.size)
     proc = AutoProcessor.from_pretrained(os.path.join(root, "model"))
     model = AutoModelForImageTextToText.from_pretrained(os.path.join(root, "model"), dtype=torch.float32)
     load = lambda split: [json.loads(line) for line in open(os.path.join(root, "task", f"{split}.jsonl"))]  # noqa: E731
     image = lambda r: Image.open(os.path.join(root, "task", r["image"])).convert("RGB")  # noqa: E731
     train, val = load("train"), load("val")[:32]
-    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": tiny.GROUNDING_QUESTION}]}],
-                                      tokenize=False, add_generation_prompt=True)
-    n_prompt = len(proc(text=[prompt], images=[image(train[0])])["input_ids"][0])
+    prompt, n_prompt = tiny.box_prompt(proc)
     rng, _ = random.Random(0), torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     for step in range(a.steps + 1):
@@ -58,13 +51,8 @@ def main():
             print(f"step {step}: greedy IoU {sum(ious) / len(ious):.2f}", flush=True)
             model.train()
         picks = rng.sample(train, 16)
-        enc = proc(text=[prompt + tiny.box_text(r["solution"]) + "<|im_end|>" for r in picks],
-                   images=[image(r) for r in picks], return_tensors="pt")
-        labels = enc["input_ids"].clone()
-        labels[:, :n_prompt] = -100
-        model(**enc, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        tiny.supervised_step(model, proc, opt, prompt, n_prompt, [image(r) for r in picks],
+                             [tiny.box_text(r["solution"]) for r in picks])
 
 
 if __name__ == "__main__":
