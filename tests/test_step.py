@@ -19,9 +19,9 @@ G = 4
 
 class FakeLLM:
     """Stands in for vLLM: every request gets the completions `answer(request, k)` for k < n,
-    each sampled token with log-prob -1. Records the requests and the weights it is sent."""
-    def __init__(self, tokenizer, answer):
-        self.tokenizer, self.answer, self.requests, self.params, self.weights = tokenizer, answer, [], [], []
+    each sampled token with log-prob `logprob(k)` (-1). Records the requests and the weights it is sent."""
+    def __init__(self, tokenizer, answer, logprob=lambda k: -1.0):
+        self.tokenizer, self.answer, self.logprob, self.requests, self.params, self.weights = tokenizer, answer, logprob, [], [], []
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: None)
 
     def generate(self, requests, params, use_tqdm=False):
@@ -32,7 +32,7 @@ class FakeLLM:
             comps = []
             for k in range(sp.n):
                 ids = self.answer(r, k)
-                comps.append(types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
+                comps.append(types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=self.logprob(k))} for t in ids],
                                                    finish_reason="stop", text=self.tokenizer.decode(ids)))
             outs.append(types.SimpleNamespace(outputs=comps))
         return outs
@@ -289,6 +289,38 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
     assert stats["rollout/logp_diff_mean"] == pytest.approx(abs(-1.0 - uniform))
     assert m["sampling/is_ratio_max"] == pytest.approx(math.exp(uniform + 1.0))   # one-token completions
+
+
+LOSS_FLAGS = [{}, {"loss_agg": "sequence"}, {"loss_agg": "dr_grpo"}, {"importance_sampling_level": "sequence"}] + [
+    {"vllm_importance_sampling_correction": m} for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")] + [
+    {"vllm_importance_sampling_correction": "token_truncate", "vllm_importance_sampling_cap": 10.0}]
+
+
+def test_each_loss_flag_changes_the_update(parts, tmp_path):
+    """The loss and sampler-correction flags reach grpo through train.update: each gives its own
+    policy after a step of 2 iterations (on-policy, GSPO's gradient is GRPO's; grpo's hand-computed
+    tests check what each one computes). Completions of 1-3 tokens, so per-token and per-sequence
+    differ; generations 1 and 3 were sampled at
+    log-prob -8, far below the trainer's (ratio ~30 > the cap of 3), so truncating and masking differ."""
+    tok = parts[0].tokenizer
+    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
+    answers = [[red], [red, blue, red], [blue, red], [blue]]   # mixed, so a sequence ratio is no token's ratio
+    policies = []
+    for i, flags in enumerate(LOSS_FLAGS):
+        run, samples = make_run(parts, tmp_path / str(i), max_completion_length=4, num_iterations=2,
+                                **{"vllm_importance_sampling_correction": "none", "vllm_importance_sampling_cap": 3.0, **flags})
+        run.llm = FakeLLM(tok, lambda request, k: answers[k], logprob=lambda k: -8.0 if k % 2 else -1.0)
+        run.engine = FakeEngine(len(tok), run.gas, lr=100.0)   # the 2nd iteration's ratio is far from 1
+        groups = train.rollout_groups(run, samples, step=1)
+        train.score(run, groups), train.advantages(run, groups)
+        batches = train.micro_batches(run, groups)
+        train.old_ref_logps(run, batches)
+        train.update(run, batches, {})
+        policies.append(run.engine.module.w.detach().clone())
+    assert any(p.abs().max() > 1e-3 for p in policies)
+    for i in range(len(policies)):
+        for j in range(i):
+            assert not torch.allclose(policies[i], policies[j], atol=1e-7), f"{LOSS_FLAGS[i]} gives the same step as {LOSS_FLAGS[j]}"
 
 
 # ----------------------------------------------------------------------------- logging, validation, checkpoint
