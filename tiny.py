@@ -6,7 +6,8 @@ special tokens and chat template, wrapped in the real processor classes, and sav
 format (safetensors) so that transformers and vLLM both load it from the directory, exactly as
 they load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one shape on a
 56x56 image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG,
-train and validation splits.
+train and validation splits. `build_grounding_task` writes the grounding task (a box of 12 tokens
+and a stop, scored by reward.iou) for its own model, taught the box format first (`teach_box_format`).
 
 Why word-level: every answer is one token. With a ~400-token byte-level BPE the policy learned to
 emit "redredred" and never began with the word. Left out on purpose: counting and left/right
@@ -21,7 +22,7 @@ import random
 import shutil
 import tempfile
 
-VERSION = "v6"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v7"  # bump when anything below changes, so cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -224,7 +225,7 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     rows = [json.loads(line) for line in open(os.path.join(task_dir, "train.jsonl"))]
     rng, _ = random.Random(seed), torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompt, n_prompt = box_prompt(proc)
     for _ in range(steps):
         picks = rng.sample(rows, batch)

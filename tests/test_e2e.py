@@ -1,10 +1,12 @@
 """End to end under the real `deepspeed` launcher, 2 processes on CPU (gloo), real ZeRO-3 with
 CPU offload, a real vLLM engine per rank, wandb in offline mode."""
 import os
+import random
 
 import pytest
 
-from conftest import FAST, launch
+from conftest import FAST, ROOT, launch
+
 
 def shm_buffers():
     return {f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_")} if os.path.isdir("/dev/shm") else set()
@@ -38,8 +40,9 @@ def test_two_process_run(tmp_path, tiny_default):
 
 
 def test_demo_learns(tmp_path, tiny_default):
-    """The demo's learning run (`make demo`: the embedded defaults, 2 processes) stopped at 200 of its
-    300 steps: greedy validation must go from ~0 to >= 0.9 on the colour task (chance: 0.25)."""
+    """The demo's learning run (`make demo`: the embedded defaults, 2 processes) in 200 steps, not
+    300 (the cosine decays over 200): greedy validation must go from ~0 to >= 0.9 on the colour
+    task (chance: 0.25)."""
     rows, _ = launch(tmp_path, "--max_steps", "200", "--val_freq", "20", "--no-save_final_model")
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
     print("validation reward by step:", val)
@@ -69,16 +72,45 @@ def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
         assert all(r["train/kl"] == 0.0 for r in train_rows)
 
 
-def test_grounding_variant_exercises_iou(tmp_path):
-    """`make demo TASK=grounding`: boxes of a red square, scored by reward.iou in the seen image."""
-    rows, _ = launch(tmp_path, *FAST, "--tiny_task", "grounding", "--max_steps", "2", "--val_freq", "2",
-                     "--no-save_final_model")
+def test_grounding_prior_writes_only_the_four_boxes():
+    """tiny.teach_box_format leaves the grounding model writing a whole box (x2 = x1 + 10) at one of
+    the 4 positions, blind to the image: chance, not 0, is GRPO's start. A prior that drew each
+    number on its own (lr 3e-3: 12 of 16 boxes mixed the positions) let GRPO settle on the
+    whole-image box and never learn (README, the grounding demo)."""
+    import collections
+    import json
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    import reward
+    import tiny
+    model_dir, _, val_jsonl = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")
+    proc = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt, n = tiny.box_prompt(proc)
+    rows, _ = [json.loads(line) for line in open(val_jsonl)][:8], torch.manual_seed(0)
+    images = [Image.open(os.path.join(os.path.dirname(val_jsonl), r["image"])).convert("RGB") for r in rows for _ in range(8)]
+    with torch.no_grad():
+        out = model.generate(**proc(text=[prompt] * len(images), images=images, return_tensors="pt"), do_sample=True,
+                             max_new_tokens=16)
+    texts = proc.batch_decode(out[:, n:], skip_special_tokens=True)
+    boxes = collections.Counter(tuple(reward.box_of(t) or ()) for t in texts)
+    valid = {tuple(tiny.random_box(random.Random(s))) for s in range(100)}
+    assert set(boxes) <= valid and len(boxes) == 4, boxes
+
+
+def test_grounding_demo_learns(tmp_path):
+    """`make demo TASK=grounding` (the grounding defaults, 2 processes) for 100 steps: a box of 12
+    tokens and a stop, scored by reward.iou; greedy validation IoU from the image-blind level (one
+    box for every image) to >= 0.9. At the demo's peak rate throughout: a cosine over 100 steps has
+    halved it by step 50, before the climb (step ~60 in the demo), and reached 0.77 at 100."""
+    rows, _ = launch(tmp_path, "--tiny_task", "grounding", "--max_steps", "100", "--lr_scheduler_type", "constant",
+                     "--val_freq", "50", "--no-save_final_model")
     train_rows = [r for r in rows if "reward/mean" in r]
-    assert len(train_rows) == 2 and all(r["reward/iou_failures"] == 0 for r in train_rows)   # ground truth parsed
-    assert all(0.0 <= r["reward/iou"] <= 1.0 for r in train_rows)
-    assert train_rows[0]["reward/iou"] > 0.05   # the model writes boxes (tiny.teach_box_format); without it: 0.0
-    val = [r for r in rows if "val/reward" in r]
-    assert [r["step"] for r in val] == [0, 2] and all(0.0 <= r["val/iou"] <= 1.0 for r in val)
+    assert len(train_rows) == 100 and all(r["reward/iou_failures"] == 0 for r in train_rows)   # ground truth parsed
+    val = [(r["step"], r["val/iou"]) for r in rows if "val/iou" in r]
+    print("validation IoU by step:", val)
+    assert [s for s, _ in val] == [0, 50, 100] and val[0][1] < 0.5 and val[-1][1] >= 0.9, val
 
 
 def test_text_only_rank_beside_an_image_rank(tmp_path, tiny_default):
