@@ -17,13 +17,12 @@ function, failure flags, advantages) flows through the phases; `Run` holds what 
 Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over ranks and the
 checked invariants: ranks.py. Data and images: data.py. The math: grpo.py. vLLM and the weight
 sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`).
-Checkpoints, resume, kills, preemption: checkpoint.py. Left out on purpose: a trainer class,
-callbacks, PEFT, a vLLM server mode, video.
+Checkpoints, resume, kills, preemption: checkpoint.py. metrics.jsonl, wandb and the plot: logs.py.
+Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server mode, video.
 """
 import argparse
 import atexit
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -41,6 +40,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category
 import checkpoint  # noqa: E402
 import data
 import grpo
+import logs
 import memory
 import model
 import planner
@@ -222,21 +222,9 @@ def setup(args):
     # ---- resume: weights, optimizer, scheduler, step, data position, RNG
     ckpt, run.start = checkpoint.resume(engine, stream, args, rank)
 
-    # ---- logging: metrics.jsonl (rank 0) and wandb (rank 0; a disabled run elsewhere, so no ifs)
-    import wandb
-    wandb_on = run.master and args.report_to == "wandb"
-    run.wandb = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
-                           id=checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if wandb_on else None,
-                           resume="allow", mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
-                           if wandb_on else "disabled")
-    run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if run.master:   # continue without duplicated steps: keep the rows up to the checkpoint (atomically)
-        kept = checkpoint.trim_metrics(run.metrics_path, run.start if ckpt else -1)   # no checkpoint: start over
-        # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
-        # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
-        for row in kept if wandb_on else []:
-            if row["step"] >= run.wandb.step:
-                run.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    # ---- logging: metrics.jsonl and wandb, continued from the checkpoint
+    logs.open_logs(run, resumed=bool(ckpt))
+    if run.master:
         print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
               f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {run.metrics_path}")
     checkpoint.install_preemption_handler(rank)
@@ -464,34 +452,8 @@ def log_step(run, step, m, groups, stats, zero_spread):
         m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
         m[f"reward/{name}_failures"] = sum(f for g in groups for f in g.failed[name])
     ranks.reduce_metrics(m, run.device)
-    write_metrics(run, m, step)
-    if run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0:
-        import wandb
-        table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
-        for g in groups:
-            for i, text in enumerate(g.texts):
-                table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
-                               run.processor.tokenizer.decode(g.sample["vllm_ids"]), text, g.total[i],
-                               *[g.rewards[n][i] for n in args.reward_funcs])
-        wandb_call(run, run.wandb.log, {"completions": table}, step=step)
-
-
-def write_metrics(run, m, step):
-    """Rank 0: one row of metrics.jsonl, and the same to wandb. A wandb failure (its service killed
-    with the job, say) costs only wandb's copy: the next launch logs the missing rows again."""
-    if run.master:
-        with open(run.metrics_path, "a") as f:
-            f.write(json.dumps({"step": step, **m}) + "\n")
-        wandb_call(run, run.wandb.log, m, step=step)
-
-
-def wandb_call(run, fn, *a, **k):
-    try:
-        fn(*a, **k)
-    except Exception as e:   # never lose a step of training for its log
-        if not run.wandb_failed:
-            print(f"[wandb] {type(e).__name__}: {e}; metrics.jsonl keeps every row, the next launch re-logs them")
-        run.wandb_failed = True
+    logs.write_metrics(run, m, step)
+    logs.log_completions(run, groups, step)
 
 
 def validate(run, step, m):
@@ -516,7 +478,7 @@ def validate(run, step, m):
         print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
         for s, text, r in list(zip(run.val_samples, texts, total))[:args.log_completions]:
             print(f"    {s['where']}: {text!r} -> {r:.2f}")
-    write_metrics(run, m, step)
+    logs.write_metrics(run, m, step)
     return m
 
 
@@ -528,9 +490,9 @@ def finish(run, export=True):
     """Export the final model, close wandb, plot."""
     if export and run.args.save_final_model and not run.args.val_only:
         checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master)
-    wandb_call(run, run.wandb.finish)
+    logs.wandb_call(run, run.wandb.finish)
     if run.master:
-        print(f"[done] metrics: {run.metrics_path}  plot: {plot_rewards(run.metrics_path)}")
+        print(f"[done] metrics: {run.metrics_path}  plot: {logs.plot_rewards(run.metrics_path)}")
     dist.barrier()
 
 
@@ -608,29 +570,8 @@ def main(argv=None):
             sys.exit(memory.report_oom(e, table={**m, **carry}))
         raise
     if carry:   # the last step's validation and checkpoint phases: a row of their own, same step
-        write_metrics(run, ranks.reduce_metrics(carry, run.device), args.max_steps)
+        logs.write_metrics(run, ranks.reduce_metrics(carry, run.device), args.max_steps)
     finish(run)
-
-
-def plot_rewards(metrics_path):
-    """Train reward (sampled) and validation reward (greedy) against step, next to metrics.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(metrics_path)]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key, alpha=0.6 if key == "reward/mean" else 1.0)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    png = os.path.join(os.path.dirname(metrics_path), "reward.png")
-    fig.savefig(png, dpi=100, bbox_inches="tight")
-    return png
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""Where the numbers go: metrics.jsonl (rank 0, one JSON row per step: the record a run is judged
+by), wandb (rank 0; a disabled run on the other ranks, so no ifs), the completions table, and
+reward.png. A wandb failure never stops training: metrics.jsonl keeps every row, and the next
+launch logs the rows wandb is missing again."""
+import json
+import os
+
+import checkpoint
+
+
+def open_logs(run, resumed):
+    """Start wandb (the run id written at the first launch, so a relaunch continues the same run)
+    and metrics.jsonl: keep its rows up to the checkpoint (`resumed`; none: start over), atomically."""
+    import wandb
+    args = run.args
+    on = run.master and args.report_to == "wandb"
+    run.wandb = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
+                           id=checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if on else None,
+                           resume="allow", mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
+                           if on else "disabled")
+    run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if run.master:
+        kept = checkpoint.trim_metrics(run.metrics_path, run.start if resumed else -1)
+        # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
+        # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
+        for row in kept if on else []:
+            if row["step"] >= run.wandb.step:
+                run.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def write_metrics(run, m, step):
+    """Rank 0: one row of metrics.jsonl, and the same to wandb."""
+    if run.master:
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+        wandb_call(run, run.wandb.log, m, step=step)
+
+
+def wandb_call(run, fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except Exception as e:   # never lose a step of training for its log (its service killed with the job, say)
+        if not run.wandb_failed:
+            print(f"[wandb] {type(e).__name__}: {e}; metrics.jsonl keeps every row, the next launch re-logs them")
+        run.wandb_failed = True
+
+
+def log_completions(run, groups, step):
+    """Rank 0, every --log_completions_steps: a wandb table of this rank's prompts, completions and rewards."""
+    args = run.args
+    if not (run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0):
+        return
+    import wandb
+    table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
+    for g in groups:
+        for i, text in enumerate(g.texts):
+            table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
+                           run.processor.tokenizer.decode(g.sample["vllm_ids"]), text, g.total[i],
+                           *[g.rewards[n][i] for n in args.reward_funcs])
+    wandb_call(run, run.wandb.log, {"completions": table}, step=step)
+
+
+def plot_rewards(metrics_path):
+    """Train reward (sampled) and validation reward (greedy) against step, next to metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(metrics_path)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key, alpha=0.6 if key == "reward/mean" else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    png = os.path.join(os.path.dirname(metrics_path), "reward.png")
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    return png
