@@ -300,8 +300,8 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
     """The loss and sampler-correction flags reach grpo through train.update: each gives its own
     policy after a step of 2 iterations (on-policy, GSPO's gradient is GRPO's; grpo's hand-computed
     tests check what each one computes). Completions of 1-3 tokens, so per-token and per-sequence
-    differ; generations 1 and 3 were sampled at
-    log-prob -8, far below the trainer's (ratio ~30 > the cap of 3), so truncating and masking differ."""
+    differ; generations 1 and 3 were sampled at log-prob -8, far below the trainer's (ratio ~30 >
+    the cap of 3), so truncating and masking differ."""
     tok = parts[0].tokenizer
     red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
     answers = [[red], [red, blue, red], [blue, red], [blue]]   # mixed, so a sequence ratio is no token's ratio
