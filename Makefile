@@ -23,8 +23,9 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 	$(PY) -c "import torch, torchvision, vllm, deepspeed; assert '+cpu' in torch.__version__, torch.__version__"
 	touch $@
 
+# make demo [TASK=grounding] [ARCH=qwen3_vl|qwen3_5]: the embedded default of that task and model family
 demo: venv
-	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK)) $(DEMO_FLAGS)
+	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 
 test: venv
 	$(PY) -m pytest -q --durations=15 tests

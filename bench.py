@@ -147,6 +147,7 @@ def setup():
                           MASTER_PORT=str(s.getsockname()[1]))
     model_dir, train_jsonl, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"))
     args = train.parse_args(["--max_completion_length", str(MAX_TOKENS)])
+    args.model = model_dir
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=PROMPTS * G, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = load_model(model_dir, args, torch.float32).eval()
@@ -157,7 +158,7 @@ def setup():
 def bench_rollout(args, llm, processor, samples, rows, out):
     import rollout
     from vllm import SamplingParams
-    bias = rollout.logit_bias(rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer)))
+    bias = rollout.logit_bias(rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
 
     def sps(step):  # train.py's SamplingParams; both sides of a pair get the same seeds, so the same work

@@ -25,16 +25,34 @@ import torch
 from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from model import image_grid
+
 
 # ----------------------------------------------------------------------------- images
-def downscale(img, min_pixels, max_pixels, factor=28):
-    """Resize to the nearest (h, w) on the `factor` grid with min_pixels <= h*w <= max_pixels."""
+def downscale(img, min_pixels, max_pixels, factor):
+    """Resize to the nearest (h, w) on the `factor` grid (model.image_grid: 28 px for Qwen2.5-VL, 32 for
+    Qwen3-VL and Qwen3.5) with min_pixels <= h*w <= max_pixels, as the model's processor would."""
     h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
 
 
-def load_image(source, min_pixels, max_pixels, name=None):
-    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once.
+def pixel_bounds(args, processor):
+    """-> (min_pixels, max_pixels) of this run: the flags, or by default the processor's own minimum and
+    flags.IMAGE_TOKENS merged tokens on the model's grid. Refused (SystemExit) outside the processor's
+    bounds: it would resize the images again, and vLLM and training would see other pixels."""
+    from flags import IMAGE_TOKENS
+    size, grid = processor.image_processor.size, image_grid(processor)
+    lo = size["shortest_edge"] if args.min_pixels is None else args.min_pixels
+    hi = min(IMAGE_TOKENS * grid ** 2, size["longest_edge"]) if args.max_pixels is None else args.max_pixels
+    if hi > size["longest_edge"] or lo < size["shortest_edge"] or lo > hi:
+        sys.exit(f"error: --min_pixels/--max_pixels {lo}/{hi} lie outside the processor's {size['shortest_edge']}/"
+                 f"{size['longest_edge']} (or min > max): it would resize again")
+    return lo, hi
+
+
+def load_image(source, min_pixels, max_pixels, factor, name=None):
+    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once onto
+    the model's `factor`-pixel grid.
 
     source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
     Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
@@ -56,7 +74,7 @@ def load_image(source, min_pixels, max_pixels, name=None):
             im = im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
-    out = downscale(im, min_pixels, max_pixels)
+    out = downscale(im, min_pixels, max_pixels, factor)
     out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
     return out
 
@@ -137,8 +155,8 @@ def prepare(row, processor, args):
             return im["bytes"] if im.get("bytes") else os.path.join(base, im["path"])
         return os.path.join(base, im) if isinstance(im, str) else im
     try:
-        pil = [load_image(source(im), args.min_pixels, args.max_pixels,
-                                  name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
+        pil = [load_image(source(im), args.min_pixels, args.max_pixels, image_grid(processor),
+                          name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     try:

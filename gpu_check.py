@@ -49,19 +49,21 @@ class Box:
         import data
         import tiny
         import train
+        from model import image_grid
         from transformers import AutoProcessor
         self.out = out
         default, train_jsonl, _ = tiny.ensure_default()
         self.model = model or default
         self.processor = AutoProcessor.from_pretrained(self.model)
         self.args = train.parse_args(["--model", self.model, "--max_prompt_length", "256", "--max_completion_length", "8",
-                                      "--min_pixels", "784", "--max_pixels", "3136", "--question_template", "{question}",
+                                      "--question_template", "{question}",
                                       "--rollout_batch_size", "2", "--num_generations", "4", "--per_device_train_batch_size", "4",
                                       "--reward_funcs", "accuracy", "--learning_rate", "1e-5"])
+        # the smallest images the processor takes (the tiny task's: 4 tokens), so that a prompt fits 256 tokens
+        lo, grid = self.processor.image_processor.size["shortest_edge"], image_grid(self.processor)
+        self.args.min_pixels, self.args.max_pixels = lo, max(lo, 4 * grid ** 2)
         self.samples = [data.prepare(r, self.processor, self.args) for r in data.read_jsonl(train_jsonl)[:2]]
-        from transformers import AutoConfig
-        vocab = AutoConfig.from_pretrained(self.model).get_text_config().vocab_size
-        self.banned = torch.tensor(__import__("rollout").banned_token_ids(self.processor.tokenizer, vocab))
+        self.banned = torch.tensor(__import__("rollout").checkpoint_banned_ids(self.model, self.processor.tokenizer))
         seqs = [s for s in self.samples for _ in range(2)]
         self.batch = data.collate(seqs, [[5, 6, 7]] * len(seqs), self.processor.tokenizer.pad_token_id, self.banned.tolist())
 

