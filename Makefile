@@ -1,4 +1,4 @@
-# make demo | make test | make bench: each creates or reuses .venv with the pinned CPU stack.
+# make demo | make test | make test-fast | make lint | make bench: each creates or reuses .venv with the pinned CPU stack.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 DEMO_FLAGS ?= --val_freq 20 --ds_set zero_optimization.stage3_param_persistence_threshold=0
 
-.PHONY: venv demo test bench gpu-check clean
+.PHONY: venv demo test test-fast lint bench gpu-check clean
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
@@ -29,6 +29,12 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q --durations=15 tests
+
+test-fast: venv   # every test that does not run the deepspeed launcher
+	$(PY) -m pytest -q --durations=10 -m "not launch" tests
+
+lint: venv   # pyflakes' rules and the import order (ruff.toml)
+	$(VENV)/bin/ruff check .
 
 bench: venv
 	$(PY) bench.py

@@ -107,7 +107,7 @@ def logprob_child(chunk, grad):
         if chunk is None:
             lp = torch.log_softmax(lm_head(hidden).float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         else:
-            lp = grpo.token_logps(lm_head, hidden, ids, 1.0, chunk)[0]
+            lp = grpo.token_logps(lm_head, hidden, ids, 1.0, chunk).logps
         if grad:
             lp.sum().backward()
     dt, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -135,12 +135,13 @@ def bench_logprobs(rows, out):
 
 def setup():
     """The engine as train.py and tests/conftest.py make it, the HF model, PROMPTS prepared samples."""
+    from transformers import AutoProcessor
+
     import data
     import rollout
     import tiny
     import train
     from model import load_model
-    from transformers import AutoProcessor
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -156,8 +157,9 @@ def setup():
 
 
 def bench_rollout(args, llm, processor, samples, rows, out):
-    import rollout
     from vllm import SamplingParams
+
+    import rollout
     bias = rollout.logit_bias(rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
 

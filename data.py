@@ -93,7 +93,7 @@ def read_jsonl(path):
                 row = json.loads(line)
                 if not isinstance(row, dict):
                     raise ValueError(f"a JSON {type(row).__name__}, not an object {{...}}")
-                rows.append(dict(row, _where=f"{path}:{i}"))
+                rows.append(dict(row, _where=f"{path}:{i}", _id=len(rows)))
             except (UnicodeDecodeError, ValueError) as e:   # json.JSONDecodeError is a ValueError
                 print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
     if not rows:
@@ -123,6 +123,7 @@ class Rows:
     def __getitem__(self, i):
         row = dict(self.rows[int(i)])
         row.setdefault("_where", f"{self.path}[{i}]")
+        row["_id"] = int(i)   # the sample's stable id: its row in the source, the same on every rank and epoch
         for ours, theirs in self.mapping.items():
             if theirs in row:
                 row[ours] = row.pop(theirs)
@@ -174,25 +175,29 @@ def prepare(row, processor, args):
                          f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels")
     # vLLM takes ONE <|image_pad|> per image and expands it itself.
     vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where", "_image_root")}
+    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where", "_image_root", "_id")}
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))
-    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where)
+    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"))
 
 
 class PromptStream:
     """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded
-    permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped."""
+    permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped.
+    `history` maps a sample's id to its group's rewards the last time it was rolled out, on any rank
+    (train.score keeps it; a curriculum in train.select_prompts reads it); it is checkpointed with
+    the position."""
     def __init__(self, rows, processor, args, rank, world):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
-        self.epoch, self.cursor, self.skipped = 0, 0, 0
+        self.epoch, self.cursor, self.skipped, self.history = 0, 0, 0, {}
 
     def state(self):
-        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped}
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history}
 
     def load(self, st):
         self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
+        self.history = st.get("history", {})
 
     def next(self, n):
         out = []

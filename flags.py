@@ -33,7 +33,8 @@ def build_parser():
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
     p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
     p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
-    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to 8 (32 on the tiny model)")
+    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to --max_micro_batch (micro_batch())")
+    p.add_argument("--max_micro_batch", type=int, default=8, help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny model)")
     p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
     p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
     p.add_argument("--lr_scheduler_type", default="constant", choices=["constant", "linear", "cosine"],
@@ -51,6 +52,7 @@ def build_parser():
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
     p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
+    p.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token (train/entropy is logged either way)")
     p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
     p.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
     p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by the group's std, the whole batch's (all ranks), or not at all")
@@ -98,7 +100,6 @@ def build_parser():
     p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
     p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    p.set_defaults(max_micro_batch=8)
     return p
 
 
@@ -129,8 +130,20 @@ def parse_args(argv=None):
     return args
 
 
+def micro_batch(args, world):
+    """--per_device_train_batch_size, or by default the largest divisor of a rank's sequences
+    (rollout_batch_size / world x num_generations) up to --max_micro_batch: --num_generations 7 just works."""
+    seqs = args.rollout_batch_size // world * args.num_generations
+    return args.per_device_train_batch_size or max(d for d in range(1, args.max_micro_batch + 1) if seqs % d == 0)
+
+
+def grad_accumulation_steps(args, world):
+    """Micro-batches per step on each rank (DeepSpeed's gradient_accumulation_steps)."""
+    return args.rollout_batch_size // world * args.num_generations // micro_batch(args, world)
+
+
 def check_args(args, world):
-    """Refuse flag combinations that cannot work, showing the arithmetic. -> micro-batches per step."""
+    """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing."""
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
@@ -138,13 +151,10 @@ def check_args(args, world):
     need(args.rollout_batch_size % world == 0,
          f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
     seqs = args.rollout_batch_size // world * args.num_generations
-    if args.per_device_train_batch_size is None:   # e.g. --num_generations 7 must just work
-        args.per_device_train_batch_size = max(d for d in range(1, args.max_micro_batch + 1) if seqs % d == 0)
-    need(seqs % args.per_device_train_batch_size == 0,
+    need(seqs % micro_batch(args, world) == 0,
          f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
     need(args.min_pixels is None or args.max_pixels is None or args.min_pixels <= args.max_pixels,
          f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
-    return seqs // args.per_device_train_batch_size

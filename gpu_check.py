@@ -22,6 +22,7 @@ import traceback
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 import torch
+
 import model as policy_model  # noqa: E402  (the name `model` is a local below)
 
 GB = 1024 ** 3
@@ -46,11 +47,12 @@ class Skip(Exception):
 class Box:
     """What the items share: the model dir, a real micro-batch from the tiny task, engine factory."""
     def __init__(self, model, out):
+        from transformers import AutoProcessor
+
         import data
         import tiny
         import train
         from model import image_grid
-        from transformers import AutoProcessor
         self.out = out
         default, train_jsonl, _ = tiny.ensure_default()
         self.model = model or default
@@ -70,11 +72,12 @@ class Box:
     def engine(self, *flags, bf16=True):
         """A ZeRO-3 engine built exactly as train.setup builds it, with these flags."""
         import deepspeed
-        import train
         from transformers.integrations import HfDeepSpeedConfig
+
+        import train
         args = train.parse_args(["--model", self.model, "--per_device_train_batch_size", "4", "--rollout_batch_size", "2",
                                  "--num_generations", "2", *flags])
-        gas = train.check_args(args, 1)
+        gas = train.grad_accumulation_steps(args, 1)
         cfg = policy_model.ds_config(args, gas, 1, bf16=bf16)
         policy_model.check_fused_adam(cfg)
         keep = HfDeepSpeedConfig(cfg)
@@ -86,7 +89,7 @@ class Box:
 
     def step(self, engine):
         """One optimizer step (one micro-batch per step) -> the loss."""
-        logps, _ = engine(**{k: v.cuda() for k, v in self.batch.items()}, banned=self.banned.cuda())
+        logps = engine(**{k: v.cuda() for k, v in self.batch.items()}, banned=self.banned.cuda()).logps
         loss = -(logps * self.batch["completion_mask"].cuda()).sum() / self.batch["completion_mask"].sum()
         engine.backward(loss)
         engine.step()
@@ -122,9 +125,10 @@ def zero3_bf16_steps(box):
 def offload_states_two_steps_and_after_resume(box):
     """--offload_optimizer --offload_model: the states leave the GPU and come back, twice, and again
     after a checkpoint is saved and loaded into a fresh engine (the offload buffers stay off it)."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
     import checkpoint
     import memory
-    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
     kinds = [S.optim_states, S.hp_params, S.lp_grads, S.lp_params]
     engine, args, _ = box.engine("--offload_optimizer", "--offload_model")
     include = kinds + [S.contiguous_grad_buffer]
@@ -242,9 +246,10 @@ def vllm_sleep_levels(box):
 
 def vllm_case(box, level, dtype):
     """One engine with sleep mode at `level`: the cycle the trainer runs, measured. -> figures."""
+    from vllm import SamplingParams
+
     import data
     import rollout
-    from vllm import SamplingParams
     torch_dtype = getattr(torch, dtype)
     args = argparse.Namespace(**{**vars(box.args), "sleep_level": level, "vllm_gpu_memory_utilization": 0.3})
     share = rollout.torch_threads_share(1)
@@ -264,7 +269,7 @@ def vllm_case(box, level, dtype):
     seqs = [s for s in box.samples for _ in range(4)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id, box.banned.tolist())
     with torch.no_grad():
-        logps, _ = model(**{k: v.cuda() for k, v in batch.items()}, temperature=0.9, banned=box.banned.cuda())
+        logps = model(**{k: v.cuda() for k, v in batch.items()}, temperature=0.9, banned=box.banned.cuda()).logps
     diff = max(abs(logps[i, t].item() - next(iter(d.values())).logprob)
                for i, c in enumerate(comps) for t, d in enumerate(c.logprobs))
     return {"logp_diff_max": diff, "device_gb_awake": awake, "device_gb_asleep": asleep, "sleep_freed_gb": awake - asleep,

@@ -2,12 +2,23 @@
 
 Pure functions, tensors in and tensors (or `(loss, metrics)`) out, so they are unit-tested by
 hand-computed cases (tests/test_grpo.py) and read in one go. train.py owns everything else.
-Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, and the vLLM
-importance-sampling correction. Left out on purpose: entropy bonus, sequence packing. Names
-follow TRL / DAPO: advantages, logps, old_logps, ref_logps, sampler_logps.
+Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM
+importance-sampling correction, an entropy bonus. Left out on purpose: sequence packing. Names
+follow TRL / DAPO: advantages, logps, old_logps, ref_logps, sampler_logps, entropy.
 """
+import dataclasses
+
 import torch
 from torch.utils.checkpoint import checkpoint
+
+
+@dataclasses.dataclass
+class TokenStats:
+    """What one pass over the vocabulary gives per completion token, each (B, C): a new per-token
+    quantity is one more field here and one more line in _chunk_stats."""
+    logps: torch.Tensor                       # log-prob of each sampled token under the sampled distribution
+    log_nucleus: torch.Tensor = None          # top_p < 1: log of the nucleus' probability (no grad); else None
+    entropy: torch.Tensor = None              # entropy of the sampled distribution (with_entropy); else None
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
@@ -29,45 +40,48 @@ def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=
     return centred.reshape(-1), zero_spread.float().mean().item()
 
 
-def _chunk_logps(lm_head, hidden, token_ids, temperature, banned, top_p):
+def _chunk_stats(lm_head, hidden, token_ids, temperature, banned, top_p, with_entropy):
     logits = lm_head(hidden).float() / temperature                 # (n, V) float32, one chunk only
     if banned is not None:                                         # the sampler's logit_bias -inf: never drawn
         logits = logits.index_fill(-1, banned, float("-inf"))
     picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (n,)
     lse = torch.logsumexp(logits, dim=-1)                          # (n,)
-    if top_p >= 1.0:
-        return picked - lse, None
-    with torch.no_grad():   # the nucleus the sampler drew from, as vLLM computes it (apply_top_k_top_p)
-        probs = (logits - lse.unsqueeze(-1)).exp().sort(dim=-1).values   # (n, V) ascending
-        keep = probs.cumsum(dim=-1) > 1 - top_p
-        keep[:, -1] = True
-        log_mass = (probs * keep).sum(dim=-1).log()                # (n,) log of the nucleus' probability
-    return picked - lse, log_mass
+    entropy = log_mass = None
+    if with_entropy:   # H = lse - sum p * logit over the allowed ids (p = 0 where the logit is -inf)
+        p = (logits - lse.unsqueeze(-1)).exp()                     # (n, V)
+        entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
+    if top_p < 1.0:
+        with torch.no_grad():   # the nucleus the sampler drew from, as vLLM computes it (apply_top_k_top_p)
+            probs = (logits - lse.unsqueeze(-1)).exp().sort(dim=-1).values   # (n, V) ascending
+            keep = probs.cumsum(dim=-1) > 1 - top_p
+            keep[:, -1] = True
+            log_mass = (probs * keep).sum(dim=-1).log()            # (n,) log of the nucleus' probability
+    return picked - lse, log_mass, entropy
 
 
-def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, banned=None, top_p=1.0):
+def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, banned=None, top_p=1.0,
+                with_entropy=False):
     """Log-probs of `token_ids` under softmax(lm_head(hidden) / temperature), `chunk_tokens` rows of
     logits at a time; `banned` ids (a LongTensor) get probability 0, as the sampler's logit_bias gives them.
+    With `with_entropy`, the entropy of that distribution per token, from the same chunk of logits.
 
     hidden (B, C, H) are the states that predict token_ids (B, C). The full (B, C, V) float32
     logits (V = 151,936 for Qwen2.5-VL: 1.2 GB at 2,048 tokens) never exist at once. Under
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
-    chunk too. -> (logps (B, C), log_nucleus (B, C) or None): with top_p < 1, the log of the
+    chunk too. -> TokenStats: logps (B, C); with top_p < 1, log_nucleus (B, C), the log of the
     probability of the nucleus each token was drawn from (no grad), so that logps - log_nucleus
-    is what the sampler reports (vLLM's processed log-probs)."""
+    is what the sampler reports (vLLM's processed log-probs); with `with_entropy`, entropy (B, C)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
-    out, nucleus = [], []
+    parts = []
     for s in range(0, B * C, chunk_tokens):
-        args = (lm_head, flat_h[s:s + chunk_tokens], flat_ids[s:s + chunk_tokens], temperature, banned, top_p)
+        args = (lm_head, flat_h[s:s + chunk_tokens], flat_ids[s:s + chunk_tokens], temperature, banned, top_p, with_entropy)
         if torch.is_grad_enabled() and flat_h.requires_grad:
-            lp, ln = checkpoint(_chunk_logps, *args, use_reentrant=False)
+            parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
-            lp, ln = _chunk_logps(*args)
-        out.append(lp)
-        nucleus.append(ln)
-    logps = torch.cat(out).view(B, C)                               # (B, C)
-    return logps, (torch.cat(nucleus).view(B, C) if top_p < 1.0 else None)
+            parts.append(_chunk_stats(*args))
+    joined = [torch.cat(p).view(B, C) if p[0] is not None else None for p in zip(*parts)]   # each (B, C)
+    return TokenStats(*joined)
 
 
 def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", cap=2.0):
@@ -99,11 +113,14 @@ def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", ca
 
 
 def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None, beta=0.0, ref_logps=None,
-              loss_agg="token", norm=None, importance_sampling_level="token", is_weights=None):
-    """Clipped-ratio policy loss with optional k3 KL. Returns (loss, metrics).
+              loss_agg="token", norm=None, importance_sampling_level="token", is_weights=None, entropy=None,
+              entropy_coef=0.0):
+    """Clipped-ratio policy loss with optional k3 KL and entropy bonus. Returns (loss, metrics).
 
     logps, old_logps, ref_logps, mask: (B, C); advantages: (B,); is_weights: (B, C) or (B, 1)
-    from sampler_correction, multiplying the clipped term (not the KL), as in TRL.
+    from sampler_correction, multiplying the clipped term (not the KL), as in TRL. entropy (B, C):
+    logged; with entropy_coef > 0 also subtracted per token (a bonus for exploring), aggregated
+    like the other terms.
     importance_sampling_level "token" (GRPO): one ratio per token; "sequence" (GSPO, Zheng et al.
     2025, arXiv 2507.18071): exp of the length-normalised sequence log-ratio, clipped per sequence.
     loss_agg, micro-batch loss from per-token terms:
@@ -112,7 +129,7 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
       "sequence" (GRPO)   mean over tokens of each sequence, then over sequences;
       "dr_grpo" (Liu et al. 2025, arXiv 2503.20783)  sum / norm, norm = sequences x max_completion_length
                           (a constant: no length bias), given by the caller.
-    metrics: micro-batch means over its completion tokens ("clip_frac", "kl") and "tokens", their count."""
+    metrics: micro-batch means over its completion tokens ("clip_frac", "kl", "entropy") and "tokens", their count."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps                                  # (B, C)
@@ -133,6 +150,8 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
         delta = ref_logps - logps                                  # (B, C)
         kl = torch.exp(delta) - delta - 1                          # (B, C) k3 estimator, >= 0
         per_token = per_token + beta * kl
+    if entropy_coef:
+        per_token = per_token - entropy_coef * entropy                 # (B, C)
     if loss_agg in ("token", "dr_grpo"):
         if loss_agg == "dr_grpo" and norm is None:
             raise ValueError("loss_agg dr_grpo needs norm = sequences x max_completion_length")
@@ -145,5 +164,6 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
     n = mask.sum()
     is_clipped = (((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))).expand_as(mask)
     metrics = {"clip_frac": ((is_clipped.float() * mask).sum() / n.clamp(min=1)).item(),
-               "kl": ((kl * mask).sum() / n.clamp(min=1)).item() if kl is not None else 0.0, "tokens": n.item()}
+               "kl": ((kl * mask).sum() / n.clamp(min=1)).item() if kl is not None else 0.0, "tokens": n.item(),
+               "entropy": ((entropy.detach() * mask).sum() / n.clamp(min=1)).item() if entropy is not None else 0.0}
     return loss, metrics

@@ -18,6 +18,8 @@ import time
 import psutil
 import torch
 
+import ranks
+
 GB = 1024 ** 3
 
 
@@ -113,7 +115,7 @@ def phase(name, log):
         # Recorded on failure too: after an OOM, the failed phase's row is the one diagnose() needs.
         # A phase entered again in the same step (dynamic sampling's extra rollouts) adds its time
         # and keeps the worst memory reading: the most used, the least available.
-        log[f"time/{name}"] = log.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+        log[f"time/{name}"] = ranks.Max(log.get(f"time/{name}", 0.0) + time.perf_counter() - t0)   # the slowest rank
         now = measure()   # host_peak_gb: the phase's peak RSS, phases inside it included
         peak = max(_open.pop(), int(now.get("host_peak_gb", 0) * GB))
         if "host_peak_gb" in now:
@@ -122,7 +124,8 @@ def phase(name, log):
             _open[-1] = max(_open[-1], peak)
         for k, v in now.items():
             key = f"mem/{name}/{k}"
-            log[key] = v if key not in log else (min if k.endswith("avail_gb") else max)(log[key], v)
+            worst = ranks.Min if k.endswith("avail_gb") else ranks.Max   # over re-entries and over ranks: the fullest
+            log[key] = worst(v if key not in log else (min if worst is ranks.Min else max)(log[key], v))
 
 
 def summary(log):

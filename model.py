@@ -14,7 +14,6 @@ import torch
 
 import grpo
 
-
 # What differs between the model families, keyed by the config's model_type. Everything else is read
 # from the checkpoint's own config and processor: the image grid (patch x merge), the vision tower's
 # outputs (Qwen3-VL's deepstack features), the special tokens, the chat template, tied embeddings,
@@ -58,11 +57,23 @@ def image_grid(processor):
     return ip.patch_size * ip.merge_size
 
 
+# The multimodal inputs the processor makes for images (data.collate passes them on); anything else
+# reaching the forward is an error, not a keyword silently handed to the HF model.
+MM_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
 def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
-                  top_p=1.0, **mm):
+                  top_p=1.0, with_entropy=False, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
-    ZeRO-3 hooks and returns per-token log-probs of the completion (B, C), never full logits, of the
-    distribution the sampler draws from (temperature, banned ids). -> (logps, log_nucleus or None)."""
+    ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats: log-probs,
+    each (B, C), and with `with_entropy` the entropy), never full logits, of the distribution the
+    sampler draws from (temperature, banned ids, top_p). `mm`: only MM_INPUTS that this model's own
+    forward names (each family's, checked)."""
+    import inspect
+    unknown = [k for k in mm if k not in MM_INPUTS or k not in inspect.signature(self.model.forward).parameters]
+    if unknown:
+        raise TypeError(f"logps_forward: {unknown} are not multimodal inputs of {type(self.model).__name__} "
+                        f"(model.MM_INPUTS it takes: {[k for k in MM_INPUTS if k in inspect.signature(self.model.forward).parameters]})")
     C = completion_mask.shape[1]
     # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
     # others do, in the same order (after the token embeddings, before the decoder layers, as the image
@@ -77,7 +88,8 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
     finally:
         if hook is not None:
             hook.remove()
-    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p)
+    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p,
+                            with_entropy)
 
 
 def vision_dummy(visual):

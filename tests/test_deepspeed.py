@@ -10,7 +10,7 @@ def ds_engine(flags, net=None):
     import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
                              *flags])
-    gas = train.check_args(args, 1)
+    gas = train.grad_accumulation_steps(args, 1)
     net = net or torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                       config=model.ds_config(args, gas, 1, bf16=False),
@@ -70,7 +70,7 @@ def test_offload_flags_change_only_what_they_name():
 def test_bf16_gradients_accumulate_in_fp32(world1):
     import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2"])
-    gas = train.check_args(args, 1)
+    gas = train.grad_accumulation_steps(args, 1)
     net = torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                       config=model.ds_config(args, gas, 1, bf16=True))
@@ -106,7 +106,9 @@ def test_offload_buffers_stay_out_of_checkpoints_and_are_dropped_after_a_load(wo
     """DeepSpeed's own offload_adam_states (what offload_states runs for optimizer states) leaves
     <key>_offload_buffer in the optimizer state; before, checkpoints carried them."""
     import types
+
     from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
+
     import checkpoint
     torch.manual_seed(0)
     engine = ds_engine(["--learning_rate", "0.01"])

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import ARCHS, FAST, ROOT, launch, tiny_of
 
+pytestmark = pytest.mark.launch   # every test here runs the launcher or builds the grounding model
+
 
 def shm_buffers():
     return {f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_")} if os.path.isdir("/dev/shm") else set()
@@ -79,9 +81,11 @@ def test_grounding_prior_writes_only_the_four_boxes():
     whole-image box and never learn (README, the grounding demo)."""
     import collections
     import json
+
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
     import reward
     import tiny
     model_dir, _, val_jsonl = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")
@@ -120,7 +124,9 @@ def test_text_only_rank_beside_an_image_rank(tmp_path, arch):
     vision tower on a dummy image, deepstack mergers included) and vLLM, tensor parallel over both
     ranks, agrees with the trainer on both (Qwen3.5: bf16 on both sides, see test_vllm_agreement)."""
     import json
+
     import numpy as np
+
     import tiny
     model, train_jsonl, _ = tiny_of(arch)
     rows = [json.loads(line) for line in open(train_jsonl)][:16]
@@ -154,6 +160,6 @@ def test_logged_numbers_do_not_depend_on_the_micro_batch(tmp_path, tiny_default)
     assert a["train/clip_frac"] > 0 and a["train/kl"] > 0      # the second iteration moved the policy
     assert a["completion/length"] not in (1.0, 6.0)            # micro-batches hold different token counts
     # Not bitwise: micro-batches pad their prompts to different lengths (1e-7 apart here).
-    for k in ("train/kl", "train/clip_frac", "train/loss", "reward/mean", "rollout/logp_diff_mean",
+    for k in ("train/kl", "train/clip_frac", "train/entropy", "train/loss", "reward/mean", "rollout/logp_diff_mean",
               "sampling/is_ratio_mean"):
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])

@@ -103,12 +103,43 @@ def test_chunked_logps_equal_naive(grad):
     hidden = torch.randn(3, 7, 16, requires_grad=grad)
     ids = torch.randint(0, 50, (3, 7))
     naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    chunked, nucleus = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
+    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
+    chunked, nucleus = ts.logps, ts.log_nucleus
     assert torch.allclose(chunked, naive, atol=1e-5) and nucleus is None
     if grad:
         g1 = torch.autograd.grad(naive.sum(), hidden)[0]
         g2 = torch.autograd.grad(chunked.sum(), hidden)[0]
         assert torch.allclose(g1, g2, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_entropy_comes_from_the_same_chunks(grad):
+    """The entropy of softmax(logits / T) with banned ids at probability 0, per token, from the chunks
+    that give the log-probs: equal to the naive full-logits entropy, its gradient too."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 7, 16, requires_grad=grad)
+    ids, banned = torch.randint(0, 40, (3, 7)), torch.tensor([40, 41, 49])
+    logits = (head(hidden).float() / 0.7).index_fill(-1, banned, float("-inf"))
+    p = torch.softmax(logits, -1)
+    naive = -(p * torch.log_softmax(logits, -1).nan_to_num(neginf=0.0)).sum(-1)            # (3, 7)
+    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4, banned=banned, with_entropy=True)
+    assert torch.allclose(ts.entropy, naive, atol=1e-5)
+    assert grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4).entropy is None
+    if grad:
+        g1 = torch.autograd.grad(naive.sum(), hidden)[0]
+        g2 = torch.autograd.grad(ts.entropy.sum(), hidden)[0]
+        assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_entropy_bonus_is_subtracted_per_token_and_logged():
+    logps = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    base, m0 = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask, entropy=entropy)
+    bonus, m1 = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask, entropy=entropy, entropy_coef=0.1)
+    assert m0["entropy"] == m1["entropy"] == pytest.approx(15.0 / 5)           # token mean over the mask
+    assert (bonus - base).item() == pytest.approx(-0.1 * 15.0 / 5)            # token aggregation: sum / tokens
 
 
 def test_logps_of_the_distribution_the_sampler_drew_from():
@@ -124,7 +155,8 @@ def test_logps_of_the_distribution_the_sampler_drew_from():
     logits[..., banned] = float("-inf")
     full = torch.log_softmax(logits, -1)
     for top_p in (1.0, 0.9, 0.5):
-        logps, nucleus = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=3, banned=banned, top_p=top_p)
+        ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=3, banned=banned, top_p=top_p)
+        logps, nucleus = ts.logps, ts.log_nucleus
         assert torch.allclose(logps, full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-5)
         if top_p == 1.0:
             assert nucleus is None

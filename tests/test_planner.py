@@ -11,8 +11,8 @@ import tempfile
 import pytest
 import torch
 
-import planner
 import model
+import planner
 import train
 from conftest import ROOT, launch
 
@@ -95,8 +95,9 @@ def kept_by_forward(fn):
 
 @pytest.mark.parametrize("size", ["tiny", "100m"])
 def test_activation_terms_agree_with_torch(size):
-    import tiny
     from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import tiny
     path = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), size=size)[0]
     s = planner.model_shape(path)
     cfg = AutoConfig.from_pretrained(path)
@@ -168,6 +169,7 @@ RUN = ["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_trai
        "--val_freq", "2", "--save_steps", "2", "--no-save_final_model"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("size,procs,beta", [(size, procs, beta) for size in ("tiny", "100m") for procs in (1, 2)
                                              for beta in ("0.04", "0")])
 def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, size, procs, beta):

@@ -70,6 +70,7 @@ def assert_one_complete_wandb_run(out_dir, metrics):
         assert not missing, (r["step"], sorted(missing)[:5])
 
 
+@pytest.mark.launch
 def test_ten_kills_then_resume_exactly(tmp_path, tiny_default):
     full, _ = launch(tmp_path / "full", *FLAGS)
     run = tmp_path / "run"
@@ -130,6 +131,7 @@ def preempted_at(log):
     return int(found[0].split("checkpoint-")[1].split()[0].rstrip(";"))
 
 
+@pytest.mark.launch
 def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
     """SIGTERM to the whole job (as scancel does: DeepSpeed's launcher forwards it and gives the ranks
     30 s), then SIGUSR1 to the ranks only (SLURM --signal=USR1@...): each time every rank finishes
@@ -170,6 +172,7 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
     assert_one_complete_wandb_run(run, out)
 
 
+@pytest.mark.launch
 def test_a_stale_jit_lock_does_not_hang_a_launch(tmp_path, tiny_default):
     """A kill while a rank holds torch's extension-build lock used to leave it behind, and every
     later launch waited on it forever. Its own TORCH_EXTENSIONS_DIR, with the op already built."""
@@ -227,6 +230,7 @@ def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
     assert [r["step"] for r in checkpoint.trim_metrics(str(path), 40)] == list(range(1, 41))
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("arch", ARCHS)
 def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
     """For every family: a run resumed from checkpoint-2 ends bitwise as the uninterrupted one, and

@@ -50,8 +50,9 @@ def sized_tokenizer(arch):
 
 def family_banned(arch, tokenizer):
     """rollout's banned ids for the family's tokenizer and its real config.json token ids."""
-    import planner
     from transformers import GenerationConfig
+
+    import planner
     _, rows, _, eos, builtin, _ = FAMILY_VOCABS[arch]
     return rollout.banned_token_ids(tokenizer, rows, *rollout.model_token_ids(
         planner.builtin_config(builtin), GenerationConfig(eos_token_id=eos)))
@@ -88,8 +89,7 @@ def test_banned_ids_fit_the_gpu_runner_at_each_familys_real_size(arch):
     special tokens: the banned ids fit vLLM's V2 runner (its own add_request), the placeholders and
     the rows past the tokenizer are in, the stop tokens and text-like tokens (<think>) are not."""
     from vllm import SamplingParams
-    from vllm.v1.worker.gpu.sample.logit_bias import MAX_NUM_LOGIT_BIAS_TOKENS
-    from vllm.v1.worker.gpu.sample.logit_bias import MAX_NUM_STOP_TOKEN_IDS
+    from vllm.v1.worker.gpu.sample.logit_bias import MAX_NUM_LOGIT_BIAS_TOKENS, MAX_NUM_STOP_TOKEN_IDS
     assert rollout.MAX_LOGIT_BIAS_TOKENS == MAX_NUM_LOGIT_BIAS_TOKENS
     tokens, rows, _, eos, _, expected = FAMILY_VOCABS[arch]
     tok = sized_tokenizer(arch)
@@ -140,6 +140,7 @@ def test_engine_budget_follows_max_pixels(arch):
     not the processor's 12.8 MP (Qwen2.5-VL) or 16.8 MP (Qwen3-VL, Qwen3.5): 16,384 tokens."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
+
     from conftest import tiny_of
     model_dir = tiny_of(arch)[0]
     args = train.parse_args(["--tiny_arch", arch])   # the tiny defaults: 4 tokens on the family's grid
@@ -179,6 +180,7 @@ def test_gc_runs_while_vllm_is_awake(monkeypatch):
     asleep makes its CuMem pool release memory twice. Ours collects before sleep, empties torch's
     cache after. (CUDA cannot exist here: the engine and the CUDA flag are stand-ins.)"""
     import gc
+
     import memory
     events = []
     llm = types.SimpleNamespace(sleep=lambda level: events.append(f"sleep{level}"))

@@ -1,6 +1,7 @@
 """Each phase of train.py's step, called on its own with small fakes: no DeepSpeed engine, no vLLM
 engine. The fakes stand in for what cannot be small (a ZeRO-3 engine, a vLLM engine); the data,
 processor, rewards, math and torch.distributed collectives (one gloo rank) are the real ones."""
+import argparse
 import json
 import math
 import os
@@ -55,11 +56,12 @@ class FakeEngine:
         self.forwards = 0
 
     def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
-                 top_p=1.0, **mm):
+                 top_p=1.0, with_entropy=False, **mm):
         self.forwards += 1
         C = completion_mask.shape[1]
-        logits = (self.module.w / temperature).index_fill(0, banned, float("-inf"))
-        return torch.log_softmax(logits, -1)[input_ids[:, -C:]], None   # (B, C), no nucleus
+        logp = torch.log_softmax((self.module.w / temperature).index_fill(0, banned, float("-inf")), -1)   # (V,)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum().expand(completion_mask.shape)         # (B, C)
+        return grpo.TokenStats(logp[input_ids[:, -C:]], None, entropy if with_entropy else None)   # no nucleus
 
     def backward(self, loss):
         (loss / self.gas).backward()
@@ -89,7 +91,7 @@ class FakeStream:
     skipped = 0
 
     def __init__(self, samples=()):
-        self.samples, self.cursor = list(samples), 0
+        self.samples, self.cursor, self.history = list(samples), 0, {}
 
     def next(self, n):
         out = [self.samples[(self.cursor + i) % len(self.samples)] for i in range(n)]
@@ -97,7 +99,7 @@ class FakeStream:
         return out
 
     def state(self):
-        return {"epoch": 0, "cursor": self.cursor, "skipped": 0}
+        return {"epoch": 0, "cursor": self.cursor, "skipped": 0, "history": self.history}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,8 @@ def colour_answer(tokenizer):
 
 def make_run(parts, tmp_path, **flags):
     processor, args, samples, pool = parts
-    args = types.SimpleNamespace(**{**vars(args), "output_dir": str(tmp_path), **flags})
+    assert set(flags) <= set(vars(args)), f"not flags of train.py: {set(flags) - set(vars(args))}"
+    args = argparse.Namespace(**{**vars(args), "output_dir": str(tmp_path), **flags})   # parse_args's, with these changed
     banned = train.rollout.checkpoint_banned_ids(processor.tokenizer.name_or_path, processor.tokenizer)
     gas = len(samples) * args.num_generations // args.per_device_train_batch_size
     run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
@@ -298,8 +301,9 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     reds = sum(g.sample["columns"]["solution"] == "red" for g in groups)
     blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
     assert (w[red] > w[blue]) == (reds > blues) and w[red] != w[blue]
-    assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/grad_norm", "train/lr",
+    assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/entropy", "train/grad_norm", "train/lr",
                           "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac"}
+    assert 0 < stats["train/entropy"] <= math.log(len(tok))   # the fake's unigram policy, token-weighted
     uniform = -math.log(len(tok) - len(run.banned))          # the fake policy before the step, banned ids excluded
     assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
     assert stats["rollout/logp_diff_mean"] == pytest.approx(abs(-1.0 - uniform))
@@ -308,7 +312,8 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
 
 LOSS_FLAGS = [{}, {"loss_agg": "sequence"}, {"loss_agg": "dr_grpo"}, {"importance_sampling_level": "sequence"}] + [
     {"vllm_importance_sampling_correction": m} for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")] + [
-    {"vllm_importance_sampling_correction": "token_truncate", "vllm_importance_sampling_cap": 10.0}]
+    {"vllm_importance_sampling_correction": "token_truncate", "vllm_importance_sampling_cap": 10.0},
+    {"entropy_coef": 0.5}]
 
 
 def test_each_loss_flag_changes_the_update(parts, tmp_path):
@@ -323,7 +328,8 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
     policies = []
     for i, flags in enumerate(LOSS_FLAGS):
         run, samples = make_run(parts, tmp_path / str(i), max_completion_length=4, num_iterations=2,
-                                **{"vllm_importance_sampling_correction": "none", "vllm_importance_sampling_cap": 3.0, **flags})
+                                **{"vllm_importance_sampling_correction": "none", "vllm_importance_sampling_cap": 3.0,
+                                   "entropy_coef": 0.0, **flags})
         run.llm = FakeLLM(tok, lambda request, k: answers[k], logprob=lambda k: -8.0 if k % 2 else -1.0)
         run.engine = FakeEngine(len(tok), run.gas, lr=100.0)   # the 2nd iteration's ratio is far from 1
         groups = train.rollout_groups(run, samples, step=1)
@@ -336,6 +342,30 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
     for i in range(len(policies)):
         for j in range(i):
             assert not torch.allclose(policies[i], policies[j], atol=1e-7), f"{LOSS_FLAGS[i]} gives the same step as {LOSS_FLAGS[j]}"
+
+
+def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypatch):
+    """score keeps each sample's last rewards by its stable id (its row in the data); the README's
+    curriculum, pasted into select_prompts, then rolls out only the prompts not yet solved."""
+    run, samples = make_run(parts, tmp_path)
+    assert [s["id"] for s in samples] == [0, 1, 2, 3]       # data.Rows: the row in the source
+    run.stream = FakeStream(samples)
+    groups = train.rollout_groups(run, train.select_prompts(run, step=1), step=1)
+    train.score(run, groups)
+    assert run.stream.history == {g.sample["id"]: list(g.total) for g in groups}
+    solved = {0, 2}
+    run.stream.history.update({i: [1.0] * G for i in solved})   # as if every generation had been right
+
+    def curriculum(run, step):   # README, "A paper change in one place"
+        out = []
+        while len(out) < run.per_rank:
+            s = run.stream.next(1)[0]
+            if min(run.stream.history.get(s["id"], [0.0])) < 1.0:
+                out.append(s)
+        return out
+    monkeypatch.setattr(train, "select_prompts", curriculum)
+    picked = train.select_prompts(run, step=2)
+    assert len(picked) == run.per_rank and not {s["id"] for s in picked} & solved
 
 
 # ----------------------------------------------------------------------------- logging, validation, checkpoint
@@ -353,10 +383,15 @@ def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch
     assert row["completion/length"] == 1.0 and row["completion/truncated"] == 0.0
 
 
-def test_reduction_rules():
-    assert [ranks.reduction(k) for k in ("time/update", "mem/x/host_avail_gb", "mem/x/host_rss_gb",
-                                          "reward/iou_failures", "rollout/logp_diff_max", "reward/mean")] == \
-        ["max", "min", "max", "sum", "max", "mean"]
+def test_each_metric_states_its_reduction_where_it_is_made():
+    """A metric's type, given where it is produced, says how it combines over ranks; a plain number is
+    a mean (the 2-rank test below runs reduce_metrics for real)."""
+    m = {}
+    with train.memory.phase("update", m):
+        pass
+    assert ranks.reduction(m["time/update"]) == "max" and ranks.reduction(m["mem/update/host_avail_gb"]) == "min"
+    assert ranks.reduction(m["mem/update/host_rss_gb"]) == "max"
+    assert [ranks.reduction(v) for v in (ranks.Sum(3), ranks.Max(1.0), ranks.Min(2), 0.5)] == ["sum", "max", "min", "mean"]
 
 
 def test_validate_syncs_generates_greedily_and_logs(parts, tmp_path):
@@ -416,7 +451,7 @@ def _two_rank_worker(rank, port, out_dir):
     result = {}
     # vLLM tensor parallel 2 with an uneven split (601 validation samples over 2 ranks: 301 and 300)
     samples = [{"vllm_ids": [rank, i], "images": []} for i in range(3 if rank == 0 else 2)]
-    run = types.SimpleNamespace(args=types.SimpleNamespace(vllm_tensor_parallel_size=2), tp_group=dist.new_group([0, 1]),
+    run = types.SimpleNamespace(args=train.parse_args(["--vllm_tensor_parallel_size", "2"]), tp_group=dist.new_group([0, 1]),
                                 device=torch.device("cpu"), llm=EchoLLM())
     result["tp_outputs"] = [o.prompt for o in train.run_vllm(run, samples, [types.SimpleNamespace(n=1)] * len(samples))]
     result["tp_expected"] = [s["vllm_ids"] for s in samples]
@@ -430,6 +465,13 @@ def _two_rank_worker(rank, port, out_dir):
         ranks.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
     except RuntimeError as e:
         result["error"] = str(e)
+    # each metric combines over ranks by the rule its producer stated
+    result["reduced"] = ranks.reduce_metrics({"n": ranks.Sum(1 + rank), "t": ranks.Max(rank), "free": ranks.Min(5 - rank),
+                                              "mean": 1.0 + 2 * rank}, torch.device("cpu"))
+    try:   # a metric that one rank logs and the other does not
+        ranks.reduce_metrics({"x": 1.0} if rank else {"x": ranks.Sum(1)}, torch.device("cpu"))
+    except RuntimeError as e:
+        result["metric_error"] = str(e)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -437,6 +479,7 @@ def _two_rank_worker(rank, port, out_dir):
 
 def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
     import torch.multiprocessing as mp
+
     from conftest import free_port
     mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
@@ -449,31 +492,43 @@ def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
         assert r["advantages"] != pytest.approx(grpo.group_advantages(mine, 2, "batch")[0].tolist())
         assert "distributed invariant broken: micro-batches per step and padded completion length" in r["error"]
         assert f"rank {rank} has [{4 + rank}, 12]" in r["error"] and "[4, 12] to [5, 12]" in r["error"]
+        assert r["reduced"] == {"n": 3, "t": 1, "free": 4, "mean": 2.0}
+        assert "the logged metrics and how each combines over ranks" in r["metric_error"]
 
 
 # ----------------------------------------------------------------------------- text-only samples
-def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(parts, tiny_default):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
     """ZeRO-3 needs every rank to call the vision tower in every forward; a text-only micro-batch
-    does so on a dummy image whose output joins times 0: same log-probs, zero vision gradients."""
-    processor, args, samples, _ = parts
+    does so on a dummy one-token image (the family's patch and merge; Qwen3-VL's deepstack mergers
+    too) whose output joins times 0: same log-probs, zero gradients for every vision parameter."""
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    model_dir, train_jsonl, _ = tiny_of(arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--tiny_arch", arch])
+    image = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
     text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
     assert text["images"] == [] and "pixel_values" not in text["hf"]
-    model = train.model.load_model(tiny_default[0], args, torch.float32)
+    model = train.model.load_model(model_dir, args, torch.float32)
     calls = []
     model.model.visual.register_forward_hook(lambda *a: calls.append(1))
-    banned = torch.tensor(train.rollout.banned_token_ids(processor.tokenizer, len(processor.tokenizer)))
+    banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
     batch = data.collate([text, text], [[5, 6], [7]], processor.tokenizer.pad_token_id, banned.tolist())
-    logps, _ = model(**batch, banned=banned)
+    logps = model(**batch, banned=banned).logps
     assert calls == [1]
     visual = {id(p) for p in model.model.visual.parameters()}
     with torch.no_grad():   # the same forward without the dummy: identical log-probs
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False).last_hidden_state
-        plain, _ = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], banned=banned)
+        plain = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], banned=banned).logps
     assert torch.equal(logps.detach(), plain)
     (logps * batch["completion_mask"]).sum().backward()
     grads = [p.grad for p in model.parameters() if id(p) in visual]
-    assert all(g is not None and not g.any() for g in grads)
-    mixed = data.collate([text, samples[0]], [[5], [6]], processor.tokenizer.pad_token_id, banned.tolist())
+    assert all(g is not None and not g.any() for g in grads)   # every vision parameter: in the graph, unchanged
+    mixed = data.collate([text, image], [[5], [6]], processor.tokenizer.pad_token_id, banned.tolist())
     model(**mixed, banned=banned)
     assert calls == [1, 1]                    # a micro-batch with an image calls it once, for real
+    with pytest.raises(TypeError, match="not multimodal inputs"):   # not silently handed to the HF model
+        model(**batch, banned=banned, pixel_values_videos=torch.zeros(1))

@@ -25,6 +25,7 @@ def setup(request, llm_of):
     """Each family's tiny model, and Qwen3-VL with tied embeddings (the 2B and 4B, and Qwen3.5 up to 4B,
     tie them: lm_head is not sent, vLLM ties it itself)."""
     from transformers import AutoProcessor
+
     import tiny
     arch, tied = request.param.removesuffix("-tied"), request.param.endswith("-tied")
     model_dir, train_jsonl, _ = tiny_of(arch)
@@ -52,8 +53,8 @@ def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1
     seqs = [s for s in samples for _ in range(G)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
     with torch.no_grad():
-        logps, log_nucleus = model(**batch, temperature=temperature, banned=torch.tensor(banned), top_p=top_p)
-        hf = logps - (log_nucleus if log_nucleus is not None else 0)            # (B, C)
+        ts = model(**batch, temperature=temperature, banned=torch.tensor(banned), top_p=top_p)
+        hf = ts.logps - (ts.log_nucleus if ts.log_nucleus is not None else 0)            # (B, C)
     diffs = [abs(hf[i, t].item() - next(iter(d.values())).logprob)
              for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
     assert len(diffs) >= len(comps) * 2, "too few sampled tokens to compare"
