@@ -229,7 +229,7 @@ def random_box(rng, shift=0):
     patches of a 28x28 image (with `shift`, 0 to `shift` pixels into it). One image token holds the
     four patches side by side (the merger concatenates them), so which patch is red can be read off
     the token's content. Harder layouts were tried first and GRPO stalled at the best image-blind
-    box (README, the grounding demo)."""
+    box (docs/demos.md, the grounding demo)."""
     into = lambda: rng.randint(0, shift) if shift else 2   # noqa: E731
     x = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
     y = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
@@ -290,7 +290,7 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     them), every group scores 0 and GRPO has nothing to learn from. Supervised, on the train
     images, prompt tokens masked; ~30 s on CPU. lr 1e-3: at 3e-3 it learned each number on its
     own, not x2 = x1 + 10, three sampled boxes in four mixed two positions, and GRPO settled on
-    one of them, the whole image (IoU 0.17 everywhere), instead of reading the image (README)."""
+    one of them, the whole image (IoU 0.17 everywhere), instead of reading the image (docs/demos.md)."""
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor

@@ -78,7 +78,7 @@ def test_grounding_prior_writes_only_the_four_boxes():
     """tiny.teach_box_format leaves the grounding model writing a whole box (x2 = x1 + 10) at one of
     the 4 positions, blind to the image: chance, not 0, is GRPO's start. A prior that drew each
     number on its own (lr 3e-3: 12 of 16 boxes mixed the positions) let GRPO settle on the
-    whole-image box and never learn (README, the grounding demo)."""
+    whole-image box and never learn (docs/demos.md, the grounding demo)."""
     import collections
     import json
 

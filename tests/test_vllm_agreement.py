@@ -17,7 +17,7 @@ import train
 from conftest import ARCHS, ROOT, tiny_of
 
 G, MAX_TOKENS = 4, 8
-TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1}   # measured: fp32 ~1e-6; bf16 (Qwen3.5) ~2e-2 (docs/families.md)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1}   # measured: fp32 ~1e-6; bf16 (Qwen3.5) ~1e-2 (README, model families)
 
 
 @pytest.fixture(scope="module", params=ARCHS + ["qwen3_vl-tied"])

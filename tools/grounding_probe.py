@@ -1,6 +1,6 @@
 """Can a model of this size read where the grounding task's square is at all? Supervised on the
 TRUE boxes (no RL), greedy IoU on 32 validation images every 100 steps. A size that cannot learn
-a layout even when told the boxes is not worth a GRPO run on it (README, the grounding demo).
+a layout even when told the boxes is not worth a GRPO run on it (docs/demos.md, the grounding demo).
 
     OMP_NUM_THREADS=2 .venv/bin/python tools/grounding_probe.py --size small --steps 400
 --shift 3: the square sits 0-3 pixels into its patch (16 positions per patch), not at the
