@@ -17,6 +17,7 @@ step on every rank). Left out: video, streaming.
 import contextlib
 import io
 import json
+import math
 import os
 import sys
 
@@ -65,7 +66,15 @@ def load_image(source, min_pixels, max_pixels, factor, name=None):
             size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
             im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
             im = ImageOps.exif_transpose(im)
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+            if im.mode in ("F", "I"):   # 32-bit float or int (TIFF): scaled to 8 bits only where that is faithful
+                lo, hi = im.getextrema()
+                scale = {"F": 255.0 if hi <= 1.0 else 1.0 if hi <= 255.0 else None,
+                         "I": 1 / 256 if hi > 255 else 1.0}[im.mode] if lo >= 0 and hi <= 65535 else None
+                if scale is None or not math.isfinite(lo + hi):
+                    raise ValueError(f"{im.mode} image with values {lo}..{hi}: no faithful 8-bit conversion (a float image "
+                                     f"must hold 0..1 or 0..255, an int image 0..65535)")
+                im = im.point(lambda v: v * scale).convert("L")
+            if im.mode in ("I;16", "I;16B", "I;16L"):
                 im = im.point(lambda v: v / 256).convert("L")    # 16-bit -> 8-bit, keep the range
             if im.mode in ("RGBA", "LA", "P", "PA"):
                 im = im.convert("RGBA")
@@ -147,6 +156,13 @@ def prepare(row, processor, args):
         if isinstance(im, bool) or not isinstance(im, (str, bytes, dict, Image.Image)):
             raise ValueError(f"{where}: image field holds {type(im).__name__} {im!r}; expected a path, a list of paths, "
                              f"or an HF datasets image")
+        if isinstance(im, dict) and not im.get("bytes") and not im.get("path"):
+            raise ValueError(f"{where}: image field holds {im!r}: an HF datasets image with neither bytes nor a path")
+        if isinstance(im, str) and "://" in im:
+            raise ValueError(f"{where}: image {im!r} is a URL; URLs are not fetched: download the images, give their paths")
+    solution = row.get("solution")
+    if isinstance(solution, float) and not math.isfinite(solution):
+        raise ValueError(f"{where}: solution is {solution}, not a finite number (accuracy would score 'nan' right)")
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
     base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
@@ -179,7 +195,9 @@ def prepare(row, processor, args):
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))
-    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"))
+    # an image field present but empty (a parquet cell of None, "image": ""): trained text-only, and counted
+    empty = not pil and any(k in row for k in ("image", "images"))
+    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"), empty_image=empty)
 
 
 class PromptStream:
@@ -190,14 +208,15 @@ class PromptStream:
     the position."""
     def __init__(self, rows, processor, args, rank, world):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
-        self.epoch, self.cursor, self.skipped, self.history = 0, 0, 0, {}
+        self.epoch, self.cursor, self.skipped, self.history, self.empty_images = 0, 0, 0, {}, 0
 
     def state(self):
-        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history}
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history,
+                "empty_images": self.empty_images}
 
     def load(self, st):
         self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
-        self.history = st.get("history", {})
+        self.history, self.empty_images = st.get("history", {}), st.get("empty_images", 0)
 
     def next(self, n):
         out = []
@@ -210,6 +229,11 @@ class PromptStream:
             self.cursor += 1
             try:
                 out.append(prepare(row, self.processor, self.args))
+                if out[-1]["empty_image"]:
+                    self.empty_images += 1
+                    if self.empty_images == 1:
+                        print(f"[data] rank {self.rank}: {out[-1]['where']}: the image field is empty (None or \"\"): "
+                              f"trained as a text-only prompt; such samples are counted in data/empty_images")
             except ValueError as e:
                 if self.args.overlong_prompt == "error" and "--max_prompt_length" in str(e):
                     sys.exit(f"error: {e} (--overlong_prompt error)")

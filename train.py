@@ -472,7 +472,8 @@ def log_step(run, step, m, groups, stats, zero_spread):
     m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
               "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
               "completion/truncated": float(np.mean([f == "length" for g in groups for f in g.finish_reasons])),
-              "data/skipped": ranks.Sum(run.stream.skipped), **stats})
+              "data/skipped": ranks.Sum(run.stream.skipped), "data/empty_images": ranks.Sum(run.stream.empty_images),
+              **stats})
     for name in args.reward_funcs:
         m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
         m[f"reward/{name}_failures"] = ranks.Sum(sum(f for g in groups for f in g.failed[name]))

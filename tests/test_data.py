@@ -68,12 +68,28 @@ def test_empty_file_is_refused(tmp_path):
     (row(["ok.png", 3.5]), ["--limit_images", "2"], "image field holds float 3.5"),
     ({"image": "ok.png", "solution": "red"}, ["--question_template", "{question}"],
      "no field 'question' that --question_template '{question}' needs; the sample has \\['image', 'solution'\\]"),
+    (row({}), [], "image field holds {}: an HF datasets image with neither bytes nor a path"),
+    (row({"bytes": None, "path": None}), [], "neither bytes nor a path"),
+    (row("http://example.com/a.png"), [], "is a URL; URLs are not fetched"),
+    (b'{"image": "ok.png", "question": "q", "solution": NaN}\n', [], "solution is nan, not a finite number"),
+    (b'{"image": "ok.png", "question": "q", "solution": Infinity}\n', [], "solution is inf, not a finite number"),
 ])
 def test_unusable_samples_are_named(tmp_path, processor, sample, flags, message):
     path = write_task(tmp_path, [sample])
     with pytest.raises(ValueError, match=message) as e:
         data.prepare(data.read_jsonl(str(path))[0], processor, args_for(*flags))
     assert f"{path}:1" in str(e.value)
+
+
+def test_an_empty_image_field_is_a_counted_text_only_sample(tmp_path, processor, capsys):
+    """A parquet image cell of None (or "image": "" in JSONL): the sample is trained as a text-only
+    prompt, as a mixed dataset means it, and counted (data/empty_images), with one message naming it."""
+    path = write_task(tmp_path, [row(None), row(""), row("ok.png")])
+    stream = data.PromptStream(data.read_jsonl(str(path)), processor, args_for(), rank=0, world=1)
+    got = stream.next(3)
+    assert sorted(len(s["images"]) for s in got) == [0, 0, 1] and stream.empty_images == 2 and stream.skipped == 0
+    assert capsys.readouterr().out.count("the image field is empty") == 1
+    assert data.PromptStream(data.read_jsonl(str(path)), processor, args_for(), 0, 1).state()["empty_images"] == 0
 
 
 def test_stream_skips_and_counts_bad_samples(tmp_path, processor):

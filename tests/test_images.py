@@ -33,6 +33,21 @@ def test_modes_become_rgb(tmp_path, mode, ext):
     assert out.mode == "RGB" and out.size == (56, 56)
 
 
+@pytest.mark.parametrize("values,expected", [(0.5, 127), (200.0, 200)])
+def test_a_float_tiff_is_scaled_faithfully(tmp_path, values, expected):
+    """A 32-bit float image (TIFF) holding 0..1 is scaled to 0..255, not truncated to black; 0..255 is kept."""
+    path = tmp_path / "f.tiff"
+    Image.new("F", (56, 56), values).save(path)
+    assert data.load_image(path, 28 * 28, 10 ** 6, 28).getpixel((5, 5)) in ((expected,) * 3, (expected + 1,) * 3)
+
+
+def test_an_image_with_no_faithful_8_bit_form_is_refused(tmp_path):
+    path = tmp_path / "f.tiff"
+    Image.new("F", (56, 56), 1000.0).save(path)
+    with pytest.raises(ValueError, match="f.tiff.*no faithful 8-bit conversion"):
+        data.load_image(path, 28 * 28, 10 ** 6, 28)
+
+
 def test_rgba_transparent_goes_on_white(tmp_path):
     path = tmp_path / "t.png"
     Image.new("RGBA", (56, 56), (255, 0, 0, 0)).save(path)

@@ -88,7 +88,7 @@ class FakeEngine:
 
 class FakeStream:
     """Stands in for data.PromptStream: the given prepared samples, in order, round and round."""
-    skipped = 0
+    skipped = empty_images = 0
 
     def __init__(self, samples=()):
         self.samples, self.cursor, self.history = list(samples), 0, {}
