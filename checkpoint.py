@@ -6,8 +6,9 @@ optimizer, scheduler) under zero/, one rank<r>.pt per rank (RNG states, data pos
 trainer_state.json (step, flags, wandb run id). It is written as checkpoint-<step>.tmp and
 renamed last, so a crash mid-save never leaves a directory that resume would take as complete.
 Every other file rewritten in place (metrics.jsonl on resume, the wandb run id) goes through
-write_atomic. A killed launch can leave a JIT-op lock (cleared at the next start when no live
-process holds it) and its /dev/shm allreduce buffers (a clean or preempted exit removes them).
+write_atomic. A killed launch can leave a JIT-op lock and its /dev/shm allreduce buffers (both
+cleared at the next start when no live process holds them). An output folder belongs to one live
+job (claim_output_dir): a second launch into it is refused, naming the owner.
 """
 import json
 import os
@@ -201,6 +202,44 @@ def open_files():
     return held
 
 
+def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
+    """This user's DeepSpeed allreduce buffers (remove_shm_buffer) that no live process has open or
+    mapped: left by a SIGKILLed rank (~70 MB each), removed at the next launch, and said. A buffer of
+    another live job on this machine is mapped by its ranks and left alone. -> the paths removed."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
+    if not paths or not os.path.isdir("/proc/self/fd"):
+        return []
+    for attempt in range(2):   # twice, a moment apart: a buffer just created, not yet mapped, is left alone
+        held = open_files() | mapped_files()
+        paths = [p for p in paths if os.path.exists(p) and os.path.realpath(p) not in held]
+        if attempt == 0 and paths:
+            time.sleep(settle_s)
+    removed = []
+    for p in paths:
+        try:
+            os.remove(p)
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    if removed:
+        print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds (left by a killed rank)")
+    return removed
+
+
+def mapped_files():
+    """Real paths of every file some process of ours has mapped (/proc/<pid>/maps)."""
+    held = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    held.update(line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6)
+            except OSError:
+                pass
+    return held
+
+
 def remove_shm_buffer(rank):
     """DeepSpeed's CPU shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_
     <master addr>_<master port>_<rank> (ops/csrc/cpu/comm/shm.cpp, shm_initialize) and never removes
@@ -209,6 +248,74 @@ def remove_shm_buffer(rank):
            f"{os.environ.get('MASTER_PORT')}_{rank}"
     if os.path.exists(name):
         os.remove(name)
+
+
+# ----------------------------------------------------------------------------- one job per output folder
+OWNER = ".owner.json"   # in output_dir: the live job that writes there (host, pid, process start, launch time)
+
+
+def _process_start(pid):
+    """A process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it
+    names one process, not a later one that reused the pid. None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def claim_output_dir(output_dir):
+    """Rank 0 at start: the output folder belongs to one live job. -> None when this job now owns it,
+    else the refusal, naming the live owner (host, pid, start). A folder whose owner on this host is
+    dead (SIGKILL leaves the file) is taken over and said. An owner on another host cannot be checked
+    from here: its file is trusted while it is younger than OWNER_STALE_S, kept fresh by heartbeat()."""
+    import socket
+    path, me = os.path.join(output_dir, OWNER), socket.gethostname()
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        owner = None
+    if owner:
+        here = owner.get("host") == me
+        alive = _process_start(owner.get("pid", -1)) == owner.get("start") if here else \
+            time.time() - os.path.getmtime(path) < OWNER_STALE_S
+        if alive and owner.get("pid") != os.getpid():
+            return (f"error: --output_dir {output_dir} is in use by a live job: host {owner.get('host')}, pid "
+                    f"{owner.get('pid')}, started {owner.get('launched')}. Two jobs would write into one folder; stop "
+                    f"that one (kill -TERM {owner.get('pid')} checkpoints and exits 75) or choose another --output_dir")
+        print(f"[setup] {output_dir}: taking over from a job that is gone (host {owner.get('host')}, pid {owner.get('pid')})")
+    write_atomic(path, json.dumps({"host": me, "pid": os.getpid(), "start": _process_start(os.getpid()),
+                                   "launched": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    return None
+
+
+OWNER_STALE_S = 600
+
+
+def heartbeat(output_dir, every_s=60):
+    """Rank 0: keep the owner file's time fresh while this job lives (a daemon thread)."""
+    import threading
+
+    def beat():
+        while True:
+            time.sleep(every_s)
+            try:
+                os.utime(os.path.join(output_dir, OWNER))
+            except OSError:
+                pass
+    threading.Thread(target=beat, daemon=True).start()
+
+
+def release_output_dir(output_dir):
+    """Rank 0 at a normal or preempted end: the folder is free for the next launch."""
+    path = os.path.join(output_dir, OWNER)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") == os.getpid():
+                os.remove(path)
+    except (OSError, ValueError):
+        pass
 
 
 # ----------------------------------------------------------------------------- preemption

@@ -150,6 +150,16 @@ def setup(args):
     dist.init_process_group(backend=backend)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         checkpoint.clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+        checkpoint.clear_stale_shm_buffers()
+    refusal = [None]
+    if dist.get_rank() == 0:   # one live job per output folder, before anything is written there
+        os.makedirs(args.output_dir, exist_ok=True)
+        refusal = [checkpoint.claim_output_dir(args.output_dir)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        sys.exit(refusal[0])
+    if dist.get_rank() == 0:
+        checkpoint.heartbeat(args.output_dir)
     dist.barrier()
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -520,6 +530,8 @@ def finish(run, export=True):
     if run.master:
         print(f"[done] metrics: {run.metrics_path}  plot: {logs.plot_rewards(run.metrics_path)}")
     dist.barrier()
+    if run.master:
+        checkpoint.release_output_dir(run.args.output_dir)   # the next launch into it may start
 
 
 # ----------------------------------------------------------------------------- main

@@ -253,3 +253,42 @@ def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
     r = subprocess.run([sys.executable, "-c", VLLM_GENERATE, str(export), "bfloat16" if arch == "qwen3_5" else "float32"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and "GENERATED" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+def test_stale_shm_buffers_are_removed_and_live_ones_kept(tmp_path):
+    """A killed rank's /dev/shm allreduce buffer is removed at the next launch; one that a live
+    process maps (another job's) stays. Here in a folder standing in for /dev/shm."""
+    import checkpoint
+    dead, live = (tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{p}_0" for p in (1, 2))
+    for f in (dead, live):
+        f.write_bytes(b"\0" * 4096)
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
+                               "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(60)",
+                               str(live)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"   # mapped, its file closed: as DeepSpeed's shm.cpp leaves it
+        removed = checkpoint.clear_stale_shm_buffers(str(tmp_path))
+    finally:
+        holder.kill()
+    assert removed == [str(dead)] and live.exists()
+
+
+@pytest.mark.launch
+def test_one_live_job_per_output_folder(tmp_path, tiny_default):
+    """A second launch into a folder a live job writes to is refused, naming the job (host, pid, start);
+    once that job is gone (SIGKILL leaves its owner file behind), the next launch takes the folder over."""
+    first, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"])
+    deadline = time.time() + 900
+    while "[setup] 2 ranks" not in open(log).read() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    try:
+        owner = json.load(open(tmp_path / ".owner.json"))
+        cmd, env = command(tmp_path, [*FAST, "--max_steps", "1", "--val_freq", "0"], 2)
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert second.returncode != 0
+        assert f"is in use by a live job: host {owner['host']}, pid {owner['pid']}" in second.stdout + second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    rows_, out = launch(tmp_path, *FAST, "--max_steps", "1", "--val_freq", "0", "--no-save_final_model")
+    assert "taking over from a job that is gone" in out and not (tmp_path / ".owner.json").exists()
