@@ -323,10 +323,27 @@ PREEMPTED = 75   # exit code of a preempted run (EX_TEMPFAIL: try again), checkp
 _signalled = []
 
 
+def sibling_died():
+    """True when a rank on this node has already exited: DeepSpeed's per-node launcher (our parent)
+    then SIGTERMs the others (launch.py, sigkill_handler), which is no preemption."""
+    try:
+        import psutil
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return len(psutil.Process(os.getppid()).children()) < local
+    except Exception:   # noqa: BLE001  (in a signal handler: never raise)
+        return False
+
+
 def install_preemption_handler(rank):
     """SIGTERM (clusters, SLURM's default) and SIGUSR1 (SLURM --signal=USR1@<seconds>) only set a
-    flag; the step in progress finishes on every rank, then train.py checkpoints and exits."""
+    flag; the step in progress finishes on every rank, then train.py checkpoints and exits. A SIGTERM
+    that DeepSpeed's launcher sends because another rank died is said as such, and sets no flag."""
     def handler(signum, frame):   # nothing that can fail: it may run at any instant, shutdown included
+        if signum == signal.SIGTERM and not _signalled and sibling_died():
+            print(f"[launcher] SIGTERM on rank {rank}: another rank on this node has exited (its code is in the "
+                  f"launcher's line 'exits with return code'), so DeepSpeed's launcher stops the others. Not a "
+                  f"preemption: no checkpoint of this step; a relaunch resumes from the last one", flush=True)
+            return
         if not _signalled:
             print(f"[preempt] {signal.Signals(signum).name} on rank {rank}: finishing this step, "
                   f"then checkpoint and exit {PREEMPTED}", flush=True)

@@ -292,3 +292,21 @@ def test_one_live_job_per_output_folder(tmp_path, tiny_default):
         first.wait()
     rows_, out = launch(tmp_path, *FAST, "--max_steps", "1", "--val_freq", "0", "--no-save_final_model")
     assert "taking over from a job that is gone" in out and not (tmp_path / ".owner.json").exists()
+
+
+@pytest.mark.launch
+def test_a_dead_rank_is_not_a_preemption(tmp_path, tiny_default):
+    """One rank SIGKILLed: DeepSpeed's launcher SIGTERMs the survivor, which says that a rank died
+    (not "[preempt] ... exit 75") and writes no checkpoint of the step; the launcher names the code."""
+    import psutil
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="dead")
+    while not trained(tmp_path, 1) and p.poll() is None:
+        time.sleep(0.05)
+    ranks = sorted((c for c in psutil.Process(p.pid).children(recursive=True) if "--local_rank" in " ".join(c.cmdline())),
+                   key=lambda c: " ".join(c.cmdline()))
+    assert len(ranks) == 2
+    ranks[1].kill()
+    assert p.wait(timeout=600) != 0
+    text = open(log).read()
+    assert "another rank on this node has exited" in text and "[preempt]" not in text, text[-3000:]
+    assert "exits with return code = -9" in text and not any(d.startswith("checkpoint") for d in os.listdir(tmp_path))
