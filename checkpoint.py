@@ -350,6 +350,45 @@ def install_preemption_handler(rank):
         _signalled.append(signum)
     for s in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(s, handler)
+    watch_launch_command(rank)
+
+
+def watch_launch_command(rank, every_s=2.0):
+    """The ranks do not outlive the command the user ran. Signalling (or closing the terminal of) the
+    `deepspeed` command stops only that process: DeepSpeed's per-node launcher and the ranks go on,
+    unsupervised, and a relaunch would write into the same folder. Each rank watches the launcher's
+    parent (the command) from a daemon thread; once it is gone, the rank acts as on SIGTERM: this
+    step finishes, a checkpoint, exit 75. -> the watched pid, or None (not under DeepSpeed's launcher)."""
+    import threading
+
+    import psutil
+    try:
+        launcher = psutil.Process(os.getppid())
+        if "deepspeed.launcher.launch" not in " ".join(launcher.cmdline()):
+            return None
+        command = launcher.parent()
+        if command is None or command.pid == 1:
+            return None
+        pid, created, name = command.pid, command.create_time(), " ".join(command.cmdline()[:3])
+    except psutil.Error:
+        return None
+
+    def gone():
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() != created or p.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    def watch():
+        while not gone():
+            time.sleep(every_s)
+        if not _signalled:
+            print(f"[preempt] the command that launched this job (pid {pid}: {name}) is gone: rank {rank} finishes "
+                  f"this step, then checkpoint and exit {PREEMPTED}", flush=True)
+        _signalled.append(signal.SIGHUP)
+    threading.Thread(target=watch, daemon=True).start()
+    return pid
 
 
 def preemption_requested(device):

@@ -310,3 +310,23 @@ def test_a_dead_rank_is_not_a_preemption(tmp_path, tiny_default):
     text = open(log).read()
     assert "another rank on this node has exited" in text and "[preempt]" not in text, text[-3000:]
     assert "exits with return code = -9" in text and not any(d.startswith("checkpoint") for d in os.listdir(tmp_path))
+
+
+@pytest.mark.launch
+def test_ranks_do_not_outlive_the_command_the_user_ran(tmp_path, tiny_default):
+    """SIGKILL to the `deepspeed` command alone (what `kill -9 <pid>` on it, or a closed terminal, does):
+    the per-node launcher and the ranks used to run on, unsupervised. Now the ranks finish the step,
+    checkpoint it and exit 75, and a relaunch resumes from that checkpoint."""
+    import psutil
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="orphaned")
+    while not trained(tmp_path, 1) and p.poll() is None:
+        time.sleep(0.05)
+    family = psutil.Process(p.pid).children(recursive=True)
+    p.kill()
+    p.wait()
+    gone, alive = psutil.wait_procs(family, timeout=600)
+    assert not alive, [c.cmdline() for c in alive]
+    k = preempted_at(log)
+    assert "the command that launched this job" in open(log).read() and (tmp_path / f"checkpoint-{k}").is_dir()
+    _, out = launch(tmp_path, *FAST, "--max_steps", str(k + 1), "--val_freq", "0", "--no-save_final_model")
+    assert f"checkpoint-{k}: step {k}" in out
