@@ -173,12 +173,7 @@ def clear_stale_locks(ext_dir, settle_s=0.5):
     if not locks or not os.path.isdir("/proc/self/fd"):
         return []
     removed = []
-    for attempt in range(2):   # twice: a holder between releasing (close) and removing its file is left alone
-        held = open_files()
-        locks = [p for p in locks if os.path.exists(p) and os.path.realpath(p) not in held]
-        if attempt == 0 and locks:
-            time.sleep(settle_s)
-    for p in locks:
+    for p in unheld(locks, settle_s):   # twice: a holder between releasing (close) and removing its file is left alone
         try:
             os.remove(p)
             removed.append(p)
@@ -189,17 +184,31 @@ def clear_stale_locks(ext_dir, settle_s=0.5):
     return removed
 
 
-def open_files():
-    """Real paths of every file some process of ours has open (/proc/<pid>/fd)."""
+def held_files(mapped=False):
+    """Real paths of every file some process of ours has open (/proc/<pid>/fd), and with `mapped` also
+    mapped (/proc/<pid>/maps)."""
     held = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
-            try:
-                for fd in os.listdir(f"/proc/{pid}/fd"):
-                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:   # gone, or not ours
+            try:   # gone, or not ours: skipped
+                held.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+                if mapped:
+                    with open(f"/proc/{pid}/maps") as f:
+                        held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
+            except OSError:
                 pass
     return held
+
+
+def unheld(paths, settle_s, mapped=False):
+    """The paths no live process holds (held_files), looked at twice, settle_s apart: one held for a
+    moment only (a lock being released, a buffer created but not yet mapped) is left alone."""
+    for attempt in range(2):
+        held = held_files(mapped)
+        paths = [p for p in paths if os.path.exists(p) and os.path.realpath(p) not in held]
+        if attempt == 0 and paths:
+            time.sleep(settle_s)
+    return paths
 
 
 def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
@@ -210,13 +219,8 @@ def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
     paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
     if not paths or not os.path.isdir("/proc/self/fd"):
         return []
-    for attempt in range(2):   # twice, a moment apart: a buffer just created, not yet mapped, is left alone
-        held = open_files() | mapped_files()
-        paths = [p for p in paths if os.path.exists(p) and os.path.realpath(p) not in held]
-        if attempt == 0 and paths:
-            time.sleep(settle_s)
     removed = []
-    for p in paths:
+    for p in unheld(paths, settle_s, mapped=True):
         try:
             os.remove(p)
             removed.append(p)
@@ -225,19 +229,6 @@ def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
     if removed:
         print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds (left by a killed rank)")
     return removed
-
-
-def mapped_files():
-    """Real paths of every file some process of ours has mapped (/proc/<pid>/maps)."""
-    held = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    held.update(line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6)
-            except OSError:
-                pass
-    return held
 
 
 def remove_shm_buffer(rank):
