@@ -170,11 +170,12 @@ RUN = ["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_trai
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("size,procs,beta", [(size, procs, beta) for size in ("tiny", "100m") for procs in (1, 2)
-                                             for beta in ("0.04", "0")])
+@pytest.mark.parametrize("size,procs,beta", [("tiny", procs, beta) for procs in (1, 2) for beta in ("0.04", "0")]
+                         + [("100m", 1, "0.04"), ("100m", 2, "0")])
 def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, size, procs, beta):
     """Each phase's RSS peak (mem/<phase>/host_peak_gb, the worst rank, from step 2 on: the optimizer's
-    states exist) against the plan's host figure for one rank of the CPU stack."""
+    states exist) against the plan's host figure for one rank of the CPU stack. At 100M (2 min a
+    launch) two of the four: the reference model with 1 rank, none with 2 ranks."""
     rows, _ = launch(tmp_path, "--tiny_size", size, "--beta", beta, *RUN, procs=procs)
     args = train.parse_args(["--tiny_size", size, "--beta", beta, *RUN])
     import tiny
