@@ -52,7 +52,10 @@ def save_checkpoint(engine, args, step, stream, run_id, rank):
     dist.barrier()
     aside = [(state, key, state.pop(key)) for state, key in offload_buffers(engine)]
     try:
-        engine.save_checkpoint(tmp, tag="zero")
+        # frozen weights (LoRA's base model, a frozen vision tower) are the checkpoint's they were loaded
+        # from: left out, a LoRA checkpoint is adapter-sized, and a resume keeps them as loaded
+        engine.save_checkpoint(tmp, tag="zero",
+                               exclude_frozen_parameters=any(not p.requires_grad for p in engine.module.parameters()))
     finally:   # offload_states reuses them at the next offload
         for state, key, buf in aside:
             state[key] = buf
@@ -93,8 +96,9 @@ def resume(engine, stream, args, rank):
     ckpt = {"auto": (list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
     if not ckpt:
         return None, 0
-    engine.load_checkpoint(ckpt, tag="zero")
+    engine.load_checkpoint(ckpt, tag="zero", load_module_strict=all(p.requires_grad for p in engine.module.parameters()))
     drop_offload_buffers(engine)   # older checkpoints carry offload_states' host buffers
+    rate_of_this_schedule(engine)
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         step = json.load(f)["step"]
     mine = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
@@ -103,6 +107,15 @@ def resume(engine, stream, args, rank):
     if rank == 0:
         print(f"[resume] from {ckpt}: step {step}")
     return ckpt, step
+
+
+def rate_of_this_schedule(engine):
+    """After load_checkpoint the optimizer holds the rate the saving run's schedule set; a relaunch with
+    another --max_steps (the decay's length) trained its first step at it (0 after a finished cosine).
+    It is set again from this run's schedule at the restored step, as the scheduler's own step would."""
+    sched = engine.lr_scheduler
+    for group, base, factor in zip(engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
 
 
 def list_checkpoints(output_dir):
@@ -117,7 +130,19 @@ def list_checkpoints(output_dir):
 
 def export_model(engine, processor, out_dir, master):
     """HF-format model (safetensors + processor + chat template) that transformers and vLLM load.
-    The full state dict is gathered from the ZeRO-3 shards onto rank 0 (a collective)."""
+    The full state dict is gathered from the ZeRO-3 shards onto rank 0 (a collective). With LoRA
+    (--use_peft) the adapter alone, in PEFT's format (adapter_model.safetensors + adapter_config.json
+    naming the base model), which PEFT, transformers and vLLM load on top of the base."""
+    if hasattr(engine.module, "peft_config"):
+        import deepspeed
+        adapter = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
+            state_dict = {n: p.data.detach().clone() for n, p in adapter} if master else None
+        if master:
+            engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            processor.save_pretrained(out_dir)
+        dist.barrier()
+        return
     state_dict = engine._zero3_consolidated_16bit_state_dict()
     if master:
         engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)

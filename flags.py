@@ -12,6 +12,7 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # --lora_target_modules
 IMAGE_TOKENS = 1280   # --max_pixels by default: this many merged image tokens per image (data.pixel_bounds)
 
 
@@ -81,6 +82,15 @@ def build_parser():
     p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
     p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
     p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+    # LoRA and frozen parts
+    p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the base model with the adapter off, no second model")
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
+    p.add_argument("--lora_alpha", type=int, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
+    p.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that sampled")
+    p.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS), help="names of the language model's Linear layers that get an adapter (TRL's flag)")
+    p.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
+    p.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
+    p.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
     p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
     p.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
     # run
@@ -156,5 +166,8 @@ def check_args(args, world):
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
+    need(args.use_peft or not args.lora_vision, "--lora_vision needs --use_peft")
+    need(not (args.lora_vision and (args.freeze_vision_tower or args.freeze_projector)),
+         "--lora_vision trains adapters on the vision tower that --freeze_vision_tower / --freeze_projector freeze")
     need(args.min_pixels is None or args.max_pixels is None or args.min_pixels <= args.max_pixels,
          f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")

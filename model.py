@@ -115,6 +115,48 @@ def load_model(path, args, dtype):
     return model
 
 
+def trainable(policy, args):
+    """What DeepSpeed trains, from the loaded policy. --freeze_vision_tower / --freeze_projector: those
+    parameters get no gradient and no optimizer state. --use_peft: LoRA adapters (PEFT's own format)
+    on the language model's Linear layers named by --lora_target_modules (and with --lora_vision on
+    every Linear of the vision tower and projector), every base weight frozen -> a PeftModel."""
+    import re
+    visual = policy.model.visual
+    projector = {id(p) for name, child in visual.named_children() if "merger" in name for p in child.parameters()}
+    for p in visual.parameters():
+        if args.freeze_projector if id(p) in projector else args.freeze_vision_tower:
+            p.requires_grad_(False)
+    if not args.use_peft:
+        return policy
+    from peft import LoraConfig, get_peft_model
+    linear = [n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear)]
+    lm = [n for n in linear if n.startswith("model.language_model.") and n.rsplit(".", 1)[-1] in args.lora_target_modules]
+    if not lm:
+        raise SystemExit(f"error: --lora_target_modules {' '.join(args.lora_target_modules)}: no Linear of the language model "
+                         f"has these names; it has {sorted({n.rsplit('.', 1)[-1] for n in linear if 'language_model' in n})}")
+    # one regex (PEFT matches a string with re.fullmatch): the language model's by name, the vision tower's each
+    target = rf"model\.language_model\..*\.(?:{'|'.join(map(re.escape, args.lora_target_modules))})"
+    if args.lora_vision:
+        target = "|".join([target] + [re.escape(n) for n in linear if n.startswith("model.visual.")])
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
+                        bias="none")
+    policy = get_peft_model(policy, config)
+    # The frozen lm_head runs inside grpo.token_logps' checkpointed chunks. torch's checkpoint keeps a
+    # frozen weight itself (not a detached copy) for the recompute's check, and ZeRO-3's post-forward
+    # hook then partitions it in place (param.data = empty(0)): "Recomputed values ... shape [0]".
+    # DeepSpeed 0.19.8 covers this only inside a module's backward (partitioned_param_coordinator.py,
+    # in_checkpoint_recompute), which a chunk is not. A detached alias keeps the gathered storage.
+    head = policy.get_output_embeddings()
+    head.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight.detach(), self.bias), head)
+    return policy
+
+
+def adapter_off(engine):
+    """The reference under LoRA: a context in which the policy is the base model (PEFT's
+    disable_adapter), so --beta > 0 needs no second model."""
+    return engine.module.disable_adapter()
+
+
 def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
     """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule).
     A plain function: the GPU-only choices are tested on CPU (tests/test_deepspeed.py)."""

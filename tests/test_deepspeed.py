@@ -148,3 +148,19 @@ def test_fused_adam_is_loaded_before_anything_with_a_clear_error(monkeypatch):
     static = model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=True, cuda=True)
     assert model.check_fused_adam(static, cuda=True) is False      # static CPU offload: CPU Adam, nothing to build
     assert model.check_fused_adam(cfg, cuda=False) is False
+
+
+def test_a_relaunch_with_a_longer_schedule_trains_at_its_own_rate(world1, tmp_path):
+    """A run saved at the end of a 2-step cosine (rate 0) and relaunched with --max_steps 4 trains step 3
+    at the 4-step cosine's rate, not at the saved 0 (it did before checkpoint.rate_of_this_schedule)."""
+    import checkpoint
+    short = ds_engine(["--lr_scheduler_type", "cosine", "--max_steps", "2", "--learning_rate", "0.01"])
+    for _ in range(2):
+        short.backward(short(torch.ones(2, 4)).sum())
+        short.step()
+    short.save_checkpoint(str(tmp_path), tag="zero")
+    longer = ds_engine(["--lr_scheduler_type", "cosine", "--max_steps", "4", "--learning_rate", "0.01"])
+    longer.load_checkpoint(str(tmp_path), tag="zero")
+    assert longer.get_lr() == [0.0]   # the saving run's end of schedule
+    checkpoint.rate_of_this_schedule(longer)
+    assert longer.get_lr() == pytest.approx([0.005])   # 0.01 x (1 + cos(pi x 2 / 4)) / 2

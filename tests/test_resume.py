@@ -324,3 +324,65 @@ def test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command(tmp_path, 
     assert not (tmp_path / ".owner.json").exists()   # a preempted job frees its folder
     _, out = launch(tmp_path, *FAST, "--max_steps", str(k + 1), "--val_freq", "0", "--no-save_final_model")
     assert f"checkpoint-{k}: step {k}" in out and "taking over" not in out
+
+
+VLLM_LORA = """
+import os, sys, json
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from PIL import Image
+from peft import PeftModel
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+base, adapter = sys.argv[1], sys.argv[2]
+proc = AutoProcessor.from_pretrained(adapter)
+msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+image = Image.new("RGB", (56, 56), "red")
+r = int(json.load(open(os.path.join(adapter, "adapter_config.json")))["r"])
+llm = LLM(model=base, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+          enable_lora=True, max_lora_rank=r)
+req = [{"prompt_token_ids": proc.tokenizer(text)["input_ids"], "multi_modal_data": {"image": [image]}}]
+sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+out = llm.generate(req, sp, lora_request=LoRARequest("grpo", 1, adapter))[0].outputs[0]
+plain = llm.generate(req, sp)[0].outputs[0]
+hf = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), adapter).eval()
+with torch.no_grad():
+    hf.base_model.model.forward = type(hf.base_model.model).forward.__get__(hf.base_model.model)   # the plain HF forward
+    logits = hf(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1]
+tok = out.token_ids[0]
+print("DIFF", abs(torch.log_softmax(logits.double(), -1)[tok].item() - out.logprobs[0][tok].logprob),
+      "ADAPTER_EFFECT", abs(plain.logprobs[0][plain.token_ids[0]].logprob - (out.logprobs[0].get(plain.token_ids[0]) or out.logprobs[0][tok]).logprob))
+"""
+
+
+@pytest.mark.launch
+def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm(tmp_path, tiny_default):
+    """--use_peft --beta 0.04 on 2 ranks: a run SIGKILLed after checkpoint-2 and relaunched ends bitwise as
+    the uninterrupted one (the checkpoint holds the adapter, its optimizer state and the schedule; the
+    frozen base comes from the model as loaded); the export is a PEFT adapter that transformers + PEFT
+    and vLLM (enable_lora) load on the base, and they agree on the log-prob of the token vLLM picks."""
+    flags = [*FAST, "--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--use_peft", "--lora_r", "8",
+             "--learning_rate", "1e-2"]
+    full, _ = launch(tmp_path / "full", *flags)
+    run = tmp_path / "run"
+    p, log = start(run, flags)
+    while not (run / "checkpoint-2").is_dir() and p.poll() is None:
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    rows_, log = launch(run, *flags)
+    assert "checkpoint-2: step 2" in log
+    assert_same(full, rows_)
+    assert max(r["train/kl"] for r in full if "train/kl" in r) > 0   # the reference is the base, not the policy
+    sizes = {f.name: f.stat().st_size for f in (tmp_path / "full" / "checkpoint-4" / "zero").iterdir()}
+    weights = os.path.getsize(os.path.join(tiny_default[0], "model.safetensors"))
+    assert sum(sizes.values()) < weights, (sizes, weights)          # adapter-sized: no copy of the frozen base
+    export = tmp_path / "full" / "final_model"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(export))
+    r = subprocess.run([sys.executable, "-c", VLLM_LORA, tiny_default[0], str(export)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and "DIFF" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    diff, effect = (float(x) for x in r.stdout.split("DIFF")[1].split("ADAPTER_EFFECT"))
+    assert diff < 1e-4 and effect > 1e-3, r.stdout

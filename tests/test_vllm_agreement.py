@@ -109,3 +109,24 @@ def test_buckets_never_split_a_layer(setup):
                 assert home[n] == home["model.visual.blocks.1.attn.qkv.weight"]
     assert len(rollout.sync_buckets(model, 1024)) == 1
     assert len(rollout.sync_buckets(model, 0)) > 6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_lora_merged_sync_agrees(setup, temperature):
+    """--use_peft: each LoRA layer reaches vLLM as W + scale x B A under its base name, bucket by bucket
+    (rollout.hf_weights); vLLM then samples from the trainer's adapted policy."""
+    import copy
+
+    from test_lora import perturb_adapter
+    llm, model, processor, samples, tol = setup
+    args = train.parse_args(["--use_peft", "--lora_r", "4", "--tiny_arch", model.config.model_type])
+    peft = model_py.trainable(copy.deepcopy(model), args).eval()
+    perturb_adapter(peft, seed=3)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)
+    stale = max_logp_diff(llm, peft, processor, samples, seed=40, temperature=temperature)
+    rollout.sync_weights(llm, peft, bucket_mb=0, tied=tied)
+    after = max_logp_diff(llm, peft, processor, samples, seed=50, temperature=temperature)
+    print(f"{model.config.model_type} LoRA T={temperature}: stale {stale:.2e}, after the merged sync {after:.2e}")
+    rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)   # the base again, for the tests that follow
+    assert after < tol < stale, (stale, after)   # the adapter is visible past the bound, and the sync closes it
