@@ -79,8 +79,9 @@ def build_parser():
     p.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
     p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
-    p.add_argument("--offload_optimizer", action="store_true", help="move optimizer states + fp32 master weights + grads off the GPU during rollout (DeepSpeed offload_states); replaces ds_zero3.json's static offload")
-    p.add_argument("--offload_model", action="store_true", help="move the trainer's ZeRO-3 param shards off the GPU during rollout; replaces ds_zero3.json's static offload")
+    p.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"], help="STATIC ZeRO-3 offload, for the whole run: none (every state on the GPU, fastest), optimizer (optimizer states + fp32 master in host RAM, the Adam step on the CPU), all (params too: ds_zero3.json). Default: ds_zero3.json's (all), or none with --offload_optimizer / --offload_model")
+    p.add_argument("--offload_optimizer", action="store_true", help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU (DeepSpeed offload_states), back for the update; needs --zero_offload none")
+    p.add_argument("--offload_model", action="store_true", help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the update; needs --zero_offload none or optimizer")
     p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
     # LoRA and frozen parts
     p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the base model with the adapter off, no second model")
@@ -166,6 +167,10 @@ def check_args(args, world):
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
+    need(not (args.offload_optimizer and args.zero_offload in ("optimizer", "all")) and
+         not (args.offload_model and args.zero_offload == "all"),
+         f"--zero_offload {args.zero_offload} keeps those states in host RAM for the whole run: --offload_optimizer (needs "
+         f"--zero_offload none) and --offload_model (needs none or optimizer) move them only during rollouts")
     need(args.use_peft or not args.lora_vision, "--lora_vision needs --use_peft")
     need(not (args.lora_vision and (args.freeze_vision_tower or args.freeze_projector)),
          "--lora_vision trains adapters on the vision tower that --freeze_vision_tower / --freeze_projector freeze")

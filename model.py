@@ -118,8 +118,9 @@ def load_model(path, args, dtype):
 def trainable(policy, args):
     """What DeepSpeed trains, from the loaded policy. --freeze_vision_tower / --freeze_projector: those
     parameters get no gradient and no optimizer state. --use_peft: LoRA adapters (PEFT's own format)
-    on the language model's Linear layers named by --lora_target_modules (and with --lora_vision on
-    every Linear of the vision tower and projector), every base weight frozen -> a PeftModel."""
+    on the language model's Linear layers named by --lora_target_modules (lm_head too when named; and
+    with --lora_vision on every Linear of the vision tower and projector), every base weight frozen -> a
+    PeftModel."""
     import re
     visual = policy.model.visual
     projector = {id(p) for name, child in visual.named_children() if "merger" in name for p in child.parameters()}
@@ -130,12 +131,17 @@ def trainable(policy, args):
         return policy
     from peft import LoraConfig, get_peft_model
     linear = [n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear)]
-    lm = [n for n in linear if n.startswith("model.language_model.") and n.rsplit(".", 1)[-1] in args.lora_target_modules]
+    lm = [n for n in linear if (n.startswith("model.language_model.") or n == "lm_head") and
+          n.rsplit(".", 1)[-1] in args.lora_target_modules]
     if not lm:
         raise SystemExit(f"error: --lora_target_modules {' '.join(args.lora_target_modules)}: no Linear of the language model "
                          f"has these names; it has {sorted({n.rsplit('.', 1)[-1] for n in linear if 'language_model' in n})}")
+    if "lm_head" in args.lora_target_modules and policy.lm_head.weight is policy.get_input_embeddings().weight:
+        raise SystemExit("error: --lora_target_modules lm_head: this model ties lm_head to the token embedding; an adapter "
+                         "on it would change the embedding too (leave lm_head out)")
     # one regex (PEFT matches a string with re.fullmatch): the language model's by name, the vision tower's each
-    target = rf"model\.language_model\..*\.(?:{'|'.join(map(re.escape, args.lora_target_modules))})"
+    target = rf"model\.language_model\..*\.(?:{'|'.join(map(re.escape, args.lora_target_modules))})" + \
+        ("|lm_head" if "lm_head" in args.lora_target_modules else "")
     if args.lora_vision:
         target = "|".join([target] + [re.escape(n) for n in linear if n.startswith("model.visual.")])
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
@@ -147,6 +153,7 @@ def trainable(policy, args):
     # DeepSpeed 0.19.8 covers this only inside a module's backward (partitioned_param_coordinator.py,
     # in_checkpoint_recompute), which a chunk is not. A detached alias keeps the gathered storage.
     head = policy.get_output_embeddings()
+    head = getattr(head, "base_layer", head)   # lm_head with an adapter of its own: its frozen base
     head.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight.detach(), self.bias), head)
     return policy
 
@@ -170,13 +177,17 @@ def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": args.weight_decay,
                                                     "torch_adam": args.optimizer == "torch_adamw"}}
+    zo = cfg.setdefault("zero_optimization", {})
+    if args.zero_offload is not None:   # the static ZeRO offload, named (check_args refuses what contradicts it)
+        where = lambda on: {"device": "cpu", "pin_memory": True} if on else {"device": "none"}   # noqa: E731
+        zo["offload_param"] = where(args.zero_offload == "all")
+        zo["offload_optimizer"] = where(args.zero_offload in ("optimizer", "all"))
     if cuda and (args.offload_optimizer or args.offload_model):
         # DeepSpeed's offload_states (engine.py) refuses to run with static param offload, whichever
         # states it moves: both flags need offload_param "none". --offload_optimizer moves the
         # optimizer states and fp32 master weights, so they must be on the GPU (no static optimizer
         # offload) under FusedAdam, the only optimizer it moves (stage3.py). --offload_model alone
         # leaves the optimizer as ds_zero3.json has it. On CPU every state is in host RAM already.
-        zo = cfg.setdefault("zero_optimization", {})
         zo["offload_param"] = {"device": "none"}
         if args.offload_optimizer:
             zo["offload_optimizer"] = {"device": "none"}

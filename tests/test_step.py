@@ -81,7 +81,7 @@ class FakeEngine:
     def get_lr(self):
         return [self.lr]
 
-    def save_checkpoint(self, path, tag):
+    def save_checkpoint(self, path, tag, exclude_frozen_parameters=False):   # DeepSpeed's signature
         os.makedirs(os.path.join(path, tag))
         torch.save(self.module.state_dict(), os.path.join(path, tag, "model.pt"))
 

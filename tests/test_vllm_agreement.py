@@ -89,7 +89,8 @@ def test_a_sync_that_misses_a_weight_is_an_error(setup):
     import types
     llm, model = setup[:2]
     partial = types.SimpleNamespace(named_parameters=lambda: [(n, p) for n, p in model.named_parameters()
-                                                              if n != "model.language_model.layers.1.mlp.down_proj.weight"])
+                                                              if n != "model.language_model.layers.1.mlp.down_proj.weight"],
+                                    named_modules=model.named_modules)
     with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp.down_proj.weight"):
         rollout.sync_weights(llm, partial, bucket_mb=1024)
     rollout.sync_weights(llm, model, bucket_mb=1024)   # whole again, for the tests that follow
