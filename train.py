@@ -83,6 +83,7 @@ class Run:
     banned: list = dataclasses.field(default_factory=list)   # token ids kept out of completions (logit_bias -inf)
     pad_id: int = 0
     tied: bool = False               # lm_head shares the embedding: not synced twice
+    lora_request: object = None      # --lora_sync adapter: the adapter version vLLM generates with
     offload: list = dataclasses.field(default_factory=list)   # DeepSpeed offload_states types during rollout
     wandb: object = None
     metrics_path: str = None
@@ -122,7 +123,7 @@ def run_vllm(run, samples, sps):
         ranks.check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
                          [ranks.digest([(r["prompt_token_ids"], sizes(r)) for r in reqs] + [repr(sp) for sp in params])],
                          run.device, run.tp_group)
-    outs = rollout.generate(run.llm, reqs, params)
+    outs = rollout.generate(run.llm, reqs, params, run.lora_request)
     return outs[offset:offset + len(samples)]
 
 
@@ -255,7 +256,12 @@ def sync(run, m):
     with memory.phase("sync", m):
         rollout.wake(run.llm, args.sleep_level, ["weights"])
         if run.synced_at != run.updates or args.sleep_level == 2:
-            m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied) / 2 ** 20
+            adapter = args.use_peft and args.lora_sync == "adapter"   # the base once (level 2: each time), then the adapter
+            if not adapter or run.synced_at is None or args.sleep_level == 2:
+                m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied,
+                                                                   merge=not adapter) / 2 ** 20
+            if adapter:
+                run.lora_request = rollout.sync_adapter(run.llm, run.engine.module, version=run.updates + 1)
             run.synced_at = run.updates
     if run.offload:
         with memory.phase("offload", m):

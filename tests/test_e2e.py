@@ -59,10 +59,13 @@ def test_demo_learns(tmp_path, tiny_default):
      "--max_pixels", "3136", "--min_pixels", "784", "--gradient_checkpointing"],
     # no reference model, no checkpointing, the other loss and advantage switches
     ["--beta", "0", "--no-gradient_checkpointing", "--no-gc_collect_after_offload", "--sleep_level", "2",
-     "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2"],
+     "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2",
+     "--zero_offload", "none"],
     # vLLM tensor parallel across both ranks: one engine shard per rank, the same requests on each
     ["--vllm_tensor_parallel_size", "2"],
-], ids=["levers", "switches", "vllm_tp2"])
+    # LoRA with the adapter alone sent to vLLM each step, the reference as the adapter switched off
+    ["--use_peft", "--lora_sync", "adapter", "--lora_r", "8", "--freeze_vision_tower", "--num_iterations", "2"],
+], ids=["levers", "switches", "vllm_tp2", "lora_adapter"])
 def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
     rows, log = launch(tmp_path, *FAST, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
     train_rows = [r for r in rows if "reward/mean" in r]
@@ -72,6 +75,8 @@ def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
         assert "sleep mode does not exist on CPU" in log
     if "--beta" in flags:
         assert all(r["train/kl"] == 0.0 for r in train_rows)
+    if "--use_peft" in flags:
+        assert train_rows[-1]["train/kl"] > 0   # the base with the adapter off is the reference
 
 
 def test_grounding_prior_writes_only_the_four_boxes():

@@ -42,13 +42,13 @@ def setup(request, llm_of):
     return llm_of(arch, model_dir), model, processor, samples, TOL[dtype]
 
 
-def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1.0):
+def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1.0, lora_request=None):
     from vllm import SamplingParams
     banned = rollout.checkpoint_banned_ids(model.name_or_path, processor.tokenizer)
     sps = [SamplingParams(n=G, max_tokens=MAX_TOKENS, temperature=temperature, top_p=top_p, logprobs=0,
                           logit_bias=rollout.logit_bias(banned), seed=seed + i) for i in range(len(samples))]
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
-    comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
+    comps = [c for o in rollout.generate(llm, reqs, sps, lora_request) for c in o.outputs]
     assert not any(t in banned for c in comps for t in c.token_ids)
     seqs = [s for s in samples for _ in range(G)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
@@ -131,3 +131,35 @@ def test_lora_merged_sync_agrees(setup, temperature):
     print(f"{model.config.model_type} LoRA T={temperature}: stale {stale:.2e}, after the merged sync {after:.2e}")
     rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)   # the base again, for the tests that follow
     assert after < tol < stale, (stale, after)   # the adapter is visible past the bound, and the sync closes it
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_adapter_sync_agrees(world1, arch):
+    """--lora_sync adapter: the base weights once (sync_weights, merge=False), then each sync only the adapter,
+    from memory, as a new version in vLLM's own LoRA layers (enable_lora, max_lora_rank from --lora_r): vLLM
+    with the adapter samples from the trainer's policy at T = 1 and T != 1, a second version replaces the
+    first, and without the adapter vLLM is the base model."""
+    import copy
+
+    from test_lora import perturb_adapter
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = tiny_of(arch)
+    args = train.parse_args(["--max_completion_length", str(MAX_TOKENS), "--tiny_arch", arch, "--use_peft", "--lora_r", "4",
+                             "--lora_sync", "adapter"])
+    dtype = torch.bfloat16 if model_py.use_bf16(args, {"model_type": arch}, cuda=False) else torch.float32
+    llm = rollout.create_engine(model_dir, args, str(dtype).removeprefix("torch."), max_num_seqs=64, rank=0)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:4]]
+    base = model_py.load_model(model_dir, args, dtype).eval()
+    peft = model_py.trainable(copy.deepcopy(base), args).eval()
+    tol = TOL[dtype]
+    rollout.sync_weights(llm, peft, bucket_mb=0, tied=base.lm_head.weight is base.get_input_embeddings().weight, merge=False)
+    found = []
+    for version in (1, 2):
+        perturb_adapter(peft, seed=version)
+        request = rollout.sync_adapter(llm, peft, version)
+        found += [max_logp_diff(llm, peft, processor, samples, seed=60 + version, temperature=t, lora_request=request)
+                  for t in (1.0, 0.7)]
+    plain = max_logp_diff(llm, base, processor, samples, seed=70)
+    print(f"{arch} LoRA adapter sync: {', '.join(f'{d:.2e}' for d in found)}; no adapter vs base {plain:.2e}")
+    assert max(found) < tol and plain < tol, (found, plain)
