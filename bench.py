@@ -7,6 +7,8 @@ four ratios, and writes them with details to runs/bench/bench.json:
   sync_ratio         rollout.sync_weights(bucket_mb=0), one layer per reload_weights call (the worst
                      case) / one reload_weights call with the whole state dict and the same cache resets.
   sync_peak_ratio    peak extra memory during that sync / the largest bucket's bytes.
+  lora_sync_peak_ratio  the same for a LoRA policy (--use_peft, --lora_sync merged: W + scale B A sent
+                     one weight at a time); lora_sync_ratio its time / the plain one-shot reload.
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
@@ -36,7 +38,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 MB, PAGE = 2 ** 20, os.sysconf("SC_PAGE_SIZE")
 PROMPTS, G, MAX_TOKENS, REPS = 16, 8, 4, 21  # REPS pairs: cheap here, and the machine is noisy
 T, H, V = 2048, 64, 151936
-TARGETS = {"rollout_ratio": 1.15, "sync_ratio": 1.5, "sync_peak_ratio": 1.5, "logprob_mem_ratio": 0.25}
+TARGETS = {"rollout_ratio": 1.15, "sync_ratio": 1.5, "sync_peak_ratio": 1.5, "lora_sync_peak_ratio": 1.5,
+           "logprob_mem_ratio": 0.25}
 
 
 def rss():
@@ -211,6 +214,25 @@ def bench_sync(llm, model, rows, out):
     ten_x = tensor_peak(one_shot)
     rows.append(("one-shot reload_weights + cache resets", t_one, rss_peak(one_shot) / MB, ten_x / MB))
     out["sync_oneshot_peak_tensor_bytes"] = ten_x
+    # --use_peft, --lora_sync merged: each LoRA layer goes as W + scale B A, one merged weight at a time
+    import copy
+
+    import model as model_py
+    import train
+    args = train.parse_args(["--use_peft", "--lora_r", "16"])
+    peft = model_py.trainable(copy.deepcopy(model), args)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    lora_sync = lambda _=None: rollout.sync_weights(llm, peft, 0)  # noqa: E731
+    largest = lora_sync()
+    t_lora, _, _, _ = interleaved(lora_sync, one_shot)
+    ten_x = tensor_peak(lora_sync)
+    rows.append(("sync_weights LoRA merged, bucket_mb=0", t_lora, rss_peak(lora_sync) / MB, ten_x / MB))
+    out.update(lora_sync_ratio=t_lora / t_one, lora_sync_largest_bucket_bytes=largest, lora_sync_peak_tensor_bytes=ten_x,
+               lora_sync_peak_ratio=ten_x / largest)
+    rollout.sync_weights(llm, model, 0)   # the base again
 
 
 def main():

@@ -21,7 +21,9 @@ Left out: pipeline parallelism, LoRA, fragmentation (a 5% margin stands in for i
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 
 GB = 1024 ** 3
 
@@ -120,6 +122,36 @@ def lora_io(m):
     return io
 
 
+def vllm_tensors(m):
+    """numel of each weight tensor vLLM holds, largest first: HF's q/k/v and gate/up projections fused as
+    vLLM loads them (qkv_proj, gate_up_proj; Qwen2.5-VL's vision blocks too)."""
+    fused = {}
+    for name, p in m.named_parameters():
+        key = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
+        fused[key] = fused.get(key, 0) + p.numel()
+    return sorted(fused.values(), reverse=True)
+
+
+# torch's CUDA caching allocator takes memory from vLLM's CuMem pool in segments (c10/core/AllocatorConfig.h):
+# a tensor <= 1 MiB shares a 2 MiB segment, one < 10 MiB shares a 20 MiB one (kLargeBuffer,
+# CUDACachingAllocator.cpp), a larger one gets its own, rounded up to 2 MiB. At level-1 sleep vLLM copies
+# each segment into its own pinned tensor (device_allocator/cumem.py: sleep), and torch's pinned-host
+# allocator rounds each up to a power of two and keeps it cached (ATen/core/CachingHostAllocator.h).
+MiB = 2 ** 20
+
+
+def sleep_copy_bytes(tensors, p, tp):
+    """Pinned host bytes of vLLM's level-1 sleep copy of its weights on one GPU: tensors (numel each,
+    vllm_tensors) at p bytes, split over tp ranks. Small and mid-size tensors are counted as packed
+    into their shared segments."""
+    pow2 = lambda b: 1 << max(0, math.ceil(math.log2(b)))   # noqa: E731
+    sizes = [n * p / tp for n in tensors]
+    large = sum(pow2(math.ceil(b / (2 * MiB)) * 2 * MiB) for b in sizes if b >= 10 * MiB)
+    mid = math.ceil(sum(b for b in sizes if MiB < b < 10 * MiB) / (20 * MiB)) * pow2(20 * MiB)
+    small = math.ceil(sum(b for b in sizes if b <= MiB) / (2 * MiB)) * 2 * MiB
+    return large + mid + small
+
+
 def model_shape(model):
     """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name. Qwen3.5's Gated
     DeltaNet layers keep a fixed state per sequence (a causal-conv window and a key x value matrix
@@ -142,7 +174,7 @@ def model_shape(model):
                      ssm_fp32=getattr(t, "mamba_ssm_dtype", None) == "float32")
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
                 n_merger=sum(p.numel() for name, c in m.model.visual.named_children() if "merger" in name for p in c.parameters()),
-                lora_io=lora_io(m),
+                lora_io=lora_io(m), vllm_tensors=vllm_tensors(m),
                 largest_layer=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()),
                 model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size, merge2=v.spatial_merge_size ** 2,
                 h=t.hidden_size, I=t.intermediate_size, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
@@ -307,7 +339,7 @@ def plan(args, cluster, s=None):
     add("gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
         PHASES if args.sleep_level == 0 else ("load", "sync", "rollout", "validation"))
     if args.sleep_level == 1:
-        add("host", "vLLM sleep copy (level 1, pinned)", weights / tp * ranks)
+        add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
     # (frozen weights are left out of checkpoints: their share of the params term is not staged)
     staged = sum(v * (trainable_params(s, args) / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")

@@ -225,3 +225,19 @@ def test_no_checkpoint_phase_when_nothing_is_saved_and_the_host_has_a_margin():
     edge = planner.Cluster(8, 1, 80, max(host.values()) / planner.GB / 0.95, cuda=True)   # fits in 95%, not in 90%
     fits, lines = planner.verdict(planner.plan(train.parse_args(flags), edge, s), edge)
     assert not fits and "90% of" in "\n".join(lines)
+
+
+def test_level1_sleep_copy_counts_torchs_power_of_two_pinned_blocks():
+    """vLLM copies each of its CuMem segments into its own pinned tensor at level-1 sleep, and torch's
+    pinned-host allocator rounds each up to a power of two: for Qwen2.5-VL-7B (15.4 GB of bf16 weights)
+    at TP 1 that is ~29 GB per rank; the plan counted 15.4."""
+    s = planner.model_shape("qwen2.5-vl-7b")
+    copy = planner.sleep_copy_bytes(s["vllm_tensors"], 2, 1)
+    assert 28 * 2 ** 30 < copy < 30 * 2 ** 30, copy / 2 ** 30
+    mib = 2 ** 20   # one 33 MiB tensor: its own 34 MiB segment, a 64 MiB pinned block; 8 x 0.5 MiB: two 2 MiB segments
+    assert planner.sleep_copy_bytes([33 * mib], 1, 1) == 64 * mib
+    assert planner.sleep_copy_bytes([mib // 2] * 8, 1, 1) == 4 * mib
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=2048, cuda=True)
+    pl = planner.plan(train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--sleep_level", "1"]), cluster, s)
+    term = next(v for k, v in pl["phases"]["update"]["host"].items() if k.startswith("vLLM sleep copy"))
+    assert term == 8 * copy
