@@ -139,7 +139,8 @@ def export_model(engine, processor, out_dir, master):
         with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
             state_dict = {n: p.data.detach().clone() for n, p in adapter} if master else None
         if master:
-            engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            # the base's embeddings are unchanged: PEFT would otherwise add them when lm_head has an adapter
+            engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
             processor.save_pretrained(out_dir)
         dist.barrier()
         return

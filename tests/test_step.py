@@ -25,7 +25,7 @@ class FakeLLM:
         self.tokenizer, self.answer, self.logprob, self.requests, self.params, self.weights = tokenizer, answer, logprob, [], [], []
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: None)
 
-    def generate(self, requests, params, use_tqdm=False):
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
         self.requests.append(requests)
         self.params.append(params)
         outs = []
@@ -440,7 +440,7 @@ def test_save_commits_a_complete_checkpoint(parts, tmp_path):
 # ----------------------------------------------------------------------------- distributed invariants (2 gloo ranks)
 class EchoLLM:
     """Stands in for a vLLM engine shared by a TP group: each output names its request's prompt."""
-    def generate(self, requests, params, use_tqdm=False):
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
         return [types.SimpleNamespace(prompt=r["prompt_token_ids"]) for r in requests]
 
 
@@ -452,7 +452,7 @@ def _two_rank_worker(rank, port, out_dir):
     # vLLM tensor parallel 2 with an uneven split (601 validation samples over 2 ranks: 301 and 300)
     samples = [{"vllm_ids": [rank, i], "images": []} for i in range(3 if rank == 0 else 2)]
     run = types.SimpleNamespace(args=train.parse_args(["--vllm_tensor_parallel_size", "2"]), tp_group=dist.new_group([0, 1]),
-                                device=torch.device("cpu"), llm=EchoLLM())
+                                device=torch.device("cpu"), llm=EchoLLM(), lora_request=None)
     result["tp_outputs"] = [o.prompt for o in train.run_vllm(run, samples, [types.SimpleNamespace(n=1)] * len(samples))]
     result["tp_expected"] = [s["vllm_ids"] for s in samples]
     # --scale_rewards batch: the std of the whole batch, both ranks' rewards
