@@ -68,6 +68,11 @@ def test_lora_vision_and_target_flags_act():
     args.lora_target_modules = ["qkv_nope"]
     with pytest.raises(SystemExit, match="no Linear of the language model has these names.*q_proj"):
         model_py.trainable(model_py.load_model(model_dir, args, dtype), args)
+    args.lora_dropout, args.lora_target_modules = 0.1, ["q_proj"]   # --lora_dropout acts
+    layer = next(m for m in model_py.trainable(model_py.load_model(model_dir, args, dtype), args).modules()
+                 if hasattr(m, "lora_dropout"))
+    assert isinstance(layer.lora_dropout["default"], torch.nn.Dropout) and layer.lora_dropout["default"].p == 0.1
+    args.lora_dropout = 0.0
     args.lora_target_modules = ["lm_head"]   # an adapter on lm_head (the tiny models' random lm_head bounds the logits)
     head = model_py.trainable(model_py.load_model(model_dir, args, dtype), args).get_output_embeddings()
     assert hasattr(head, "lora_A") and head.base_layer.weight.requires_grad is False
