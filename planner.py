@@ -336,8 +336,12 @@ def plan(args, cluster, s=None):
         else:
             add("gpu", "reference model", weights / world)
     # ---- vLLM: its pool is --vllm_gpu_memory_utilization of the device while awake (weights, KV, profile)
+    # With sleep, train.sync wakes the weights alone, syncs, offloads the trainer states, and only then
+    # wakes the KV cache: the sync phase holds vLLM's weights, not its pool, beside the trainer states.
     add("gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
-        PHASES if args.sleep_level == 0 else ("load", "sync", "rollout", "validation"))
+        PHASES if args.sleep_level == 0 else ("load", "rollout", "validation"))
+    if args.sleep_level > 0:
+        add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
     if args.sleep_level == 1:
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports

@@ -241,3 +241,18 @@ def test_level1_sleep_copy_counts_torchs_power_of_two_pinned_blocks():
     pl = planner.plan(train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--sleep_level", "1"]), cluster, s)
     term = next(v for k, v in pl["phases"]["update"]["host"].items() if k.startswith("vLLM sleep copy"))
     assert term == 8 * copy
+
+
+def test_the_sync_phase_holds_vllms_weights_not_its_pool_when_it_sleeps():
+    """train.sync wakes vLLM's weights, syncs, offloads the trainer states and only then wakes the KV
+    cache: with --sleep_level 1 or 2 the sync phase has the weights beside the trainer states, not the
+    whole --vllm_gpu_memory_utilization pool (the plan stacked the pool there)."""
+    cluster = planner.Cluster(gpus_per_node=4, nodes=1, gpu_gb=40, host_gb=512, cuda=True)
+    s = planner.model_shape("qwen2.5-vl-3b")
+    for level in (1, 2):
+        flags = ["--model", "qwen2.5-vl-3b", "--bf16", "--sleep_level", str(level), "--vllm_gpu_memory_utilization", "0.6"]
+        sync = planner.plan(train.parse_args(flags), cluster, s)["phases"]["sync"]["gpu"]
+        assert "vLLM pool (weights + KV cache)" not in sync
+        assert sync["vLLM weights (woken for the sync; KV cache after the offload)"] == s["n"] * 2
+    awake = planner.plan(train.parse_args(["--model", "qwen2.5-vl-3b", "--bf16"]), cluster, s)["phases"]["sync"]["gpu"]
+    assert awake["vLLM pool (weights + KV cache)"] == 0.3 * 40 * planner.GB   # no sleep: the pool never leaves
