@@ -54,8 +54,7 @@ def save_checkpoint(engine, args, step, stream, run_id, rank):
     try:
         # frozen weights (LoRA's base model, a frozen vision tower) are the checkpoint's they were loaded
         # from: left out, a LoRA checkpoint is adapter-sized, and a resume keeps them as loaded
-        engine.save_checkpoint(tmp, tag="zero",
-                               exclude_frozen_parameters=any(not p.requires_grad for p in engine.module.parameters()))
+        engine.save_checkpoint(tmp, tag="zero", exclude_frozen_parameters=has_frozen(engine))
     finally:   # offload_states reuses them at the next offload
         for state, key, buf in aside:
             state[key] = buf
@@ -96,7 +95,7 @@ def resume(engine, stream, args, rank):
     ckpt = {"auto": (list_checkpoints(args.output_dir) or [None])[-1], "none": None}.get(args.resume, args.resume)
     if not ckpt:
         return None, 0
-    engine.load_checkpoint(ckpt, tag="zero", load_module_strict=all(p.requires_grad for p in engine.module.parameters()))
+    engine.load_checkpoint(ckpt, tag="zero", load_module_strict=not has_frozen(engine))   # frozen ones were left out
     drop_offload_buffers(engine)   # older checkpoints carry offload_states' host buffers
     rate_of_this_schedule(engine)
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
@@ -107,6 +106,11 @@ def resume(engine, stream, args, rank):
     if rank == 0:
         print(f"[resume] from {ckpt}: step {step}")
     return ckpt, step
+
+
+def has_frozen(engine):
+    """Whether some weights train not (LoRA's base, a frozen vision tower): checkpoints leave them out."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def rate_of_this_schedule(engine):
@@ -134,10 +138,8 @@ def export_model(engine, processor, out_dir, master):
     (--use_peft) the adapter alone, in PEFT's format (adapter_model.safetensors + adapter_config.json
     naming the base model), which PEFT, transformers and vLLM load on top of the base."""
     if hasattr(engine.module, "peft_config"):
-        import deepspeed
-        adapter = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
-            state_dict = {n: p.data.detach().clone() for n, p in adapter} if master else None
+        from model import adapter_state
+        state_dict = adapter_state(engine.module)
         if master:
             # the base's embeddings are unchanged: PEFT would otherwise add them when lm_head has an adapter
             engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)

