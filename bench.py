@@ -195,7 +195,7 @@ def bench_sync(llm, model, rows, out):
         llm.llm_engine.reset_encoder_cache()
     for mb in (0, 256):  # 0: one layer per bucket, the worst case; 256: train.py's default
         sync = lambda _=None: rollout.sync_weights(llm, model, mb)  # noqa: E731
-        largest, n, _ = sync(), len(rollout.sync_buckets(model, mb)), one_shot()  # also the warm-up
+        (largest, _), n, _ = sync(), len(rollout.sync_buckets(model, mb)), one_shot()  # also the warm-up
         ta, tb, paired, cpu = interleaved(sync, one_shot)
         rss_x, ten_x = rss_peak(sync), tensor_peak(sync)
         rows.append((f"sync_weights bucket_mb={mb} ({n} buckets)", ta, rss_x / MB, ten_x / MB))
@@ -226,7 +226,7 @@ def bench_sync(llm, model, rows, out):
             if ".lora_B." in n:
                 p.normal_(0, 0.1)
     lora_sync = lambda _=None: rollout.sync_weights(llm, peft, 0)  # noqa: E731
-    largest = lora_sync()
+    largest, _ = lora_sync()
     t_lora, _, _, _ = interleaved(lora_sync, one_shot)
     ten_x = tensor_peak(lora_sync)
     rows.append(("sync_weights LoRA merged, bucket_mb=0", t_lora, rss_peak(lora_sync) / MB, ten_x / MB))

@@ -132,11 +132,12 @@ def list_checkpoints(output_dir):
     return [path for _, path in sorted(found)]
 
 
-def export_model(engine, processor, out_dir, master):
+def export_model(engine, processor, out_dir, master, merged=False):
     """HF-format model (safetensors + processor + chat template) that transformers and vLLM load.
     The full state dict is gathered from the ZeRO-3 shards onto rank 0 (a collective). With LoRA
     (--use_peft) the adapter alone, in PEFT's format (adapter_model.safetensors + adapter_config.json
-    naming the base model), which PEFT, transformers and vLLM load on top of the base."""
+    naming the base model), which PEFT, transformers and vLLM load on top of the base; `merged`
+    (--export_merged): also the merged model, in out_dir + "_merged"."""
     if hasattr(engine.module, "peft_config"):
         from model import adapter_state
         state_dict = adapter_state(engine.module)
@@ -144,6 +145,8 @@ def export_model(engine, processor, out_dir, master):
             # the base's embeddings are unchanged: PEFT would otherwise add them when lm_head has an adapter
             engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
             processor.save_pretrained(out_dir)
+        if merged:
+            export_merged(engine.module, processor, out_dir + "_merged", master)
         dist.barrier()
         return
     state_dict = engine._zero3_consolidated_16bit_state_dict()
@@ -151,6 +154,22 @@ def export_model(engine, processor, out_dir, master):
         engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(out_dir)
     dist.barrier()
+
+
+def export_merged(model, processor, out_dir, master):
+    """A PeftModel as the plain HF model it stands for: W + scale x B A under the base names, gathered one
+    bucket of whole layers at a time and merged as the merged weight sync does (rollout.hf_weights), onto
+    rank 0's host (as the full model's export gathers it). The GPU never holds the model merged whole."""
+    import deepspeed
+
+    from rollout import hf_weights, lora_layers, sync_buckets
+    lora, state = lora_layers(model), {}
+    for bucket in sync_buckets(model, 1024):
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+            state.update((n, t.detach().to("cpu", copy=True)) for n, t in hf_weights(bucket, lora) if master)
+    if master:
+        model.get_base_model().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        processor.save_pretrained(out_dir)
 
 
 # ----------------------------------------------------------------------------- files that survive a kill

@@ -90,6 +90,7 @@ def build_parser():
     p.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that sampled")
     p.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS), help="names of the language model's Linear layers that get an adapter (TRL's flag)")
     p.add_argument("--lora_sync", default="merged", choices=["merged", "adapter"], help="how vLLM gets the LoRA policy: merged (W + scale B A, bucket by bucket: exact, any target, no LoRA kernels in generation) or adapter (the base once, then only the adapter, from memory: the sync gathers r x (in + out) per layer instead of the model; vLLM's LoRA kernels in generation; language-model targets only)")
+    p.add_argument("--export_merged", action="store_true", help="with --use_peft, also export the merged model (W + scale B A, gathered a bucket of layers at a time) to output_dir/final_model_merged, beside the adapter in final_model")
     p.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
     p.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
     p.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
@@ -173,6 +174,7 @@ def check_args(args, world):
          f"--zero_offload {args.zero_offload} keeps those states in host RAM for the whole run: --offload_optimizer (needs "
          f"--zero_offload none) and --offload_model (needs none or optimizer) move them only during rollouts")
     need(args.use_peft or not args.lora_vision, "--lora_vision needs --use_peft")
+    need(args.use_peft or not args.export_merged, "--export_merged needs --use_peft (without it final_model is the whole model)")
     need(args.lora_sync == "merged" or not (args.lora_vision or "lm_head" in args.lora_target_modules),
          "--lora_sync adapter: vLLM takes adapters on the language model's layers only; --lora_vision and an lm_head "
          "adapter need --lora_sync merged")

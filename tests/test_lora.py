@@ -85,7 +85,7 @@ def test_lora_vision_and_target_flags_act():
         tiny_py.build_model(tied, arch="qwen3_vl", tied=True)
     with pytest.raises(SystemExit, match="ties lm_head to the token embedding"):
         model_py.trainable(model_py.load_model(tied, args, dtype), args)
-    for flags, msg in ((["--lora_vision"], "--lora_vision needs --use_peft"),
+    for flags, msg in ((["--lora_vision"], "--lora_vision needs --use_peft"), (["--export_merged"], "--export_merged needs --use_peft"),
                        (["--use_peft", "--lora_vision", "--freeze_vision_tower"], "freeze")):
         with pytest.raises(SystemExit, match=msg):
             train.check_args(train.parse_args(["--num_generations", "4", *flags]), 1)

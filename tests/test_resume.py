@@ -352,6 +352,10 @@ with torch.no_grad():
     hf.base_model.model.forward = type(hf.base_model.model).forward.__get__(hf.base_model.model)   # the plain HF forward
     logits = hf(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1]
 tok = out.token_ids[0]
+if len(sys.argv) > 3:   # --export_merged: the merged model alone gives the adapted policy's logits
+    merged = AutoModelForImageTextToText.from_pretrained(sys.argv[3], dtype=torch.float32).eval()
+    with torch.no_grad():
+        print("MERGED", (merged(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1] - logits).abs().max().item())
 print("DIFF", abs(torch.log_softmax(logits.double(), -1)[tok].item() - out.logprobs[0][tok].logprob),
       "ADAPTER_EFFECT", abs(plain.logprobs[0][plain.token_ids[0]].logprob - (out.logprobs[0].get(plain.token_ids[0]) or out.logprobs[0][tok]).logprob))
 """
@@ -362,10 +366,12 @@ def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vll
     """--use_peft --beta 0.04 on 2 ranks: a run SIGKILLed after checkpoint-2 and relaunched ends bitwise as
     the uninterrupted one (the checkpoint holds the adapter, its optimizer state and the schedule; the
     frozen base comes from the model as loaded); the export is a PEFT adapter that transformers + PEFT
-    and vLLM (enable_lora) load on the base, and they agree on the log-prob of the token vLLM picks."""
+    and vLLM (enable_lora) load on the base, and they agree on the log-prob of the token vLLM picks; the
+    merged export (--export_merged, gathered bucket by bucket) loads in transformers alone and gives the
+    adapted model's logits."""
     flags = [*FAST, "--max_steps", "4", "--val_freq", "2", "--save_steps", "2", "--use_peft", "--lora_r", "8",
              "--learning_rate", "1e-2"]
-    full, _ = launch(tmp_path / "full", *flags)
+    full, _ = launch(tmp_path / "full", *flags, "--export_merged")
     run = tmp_path / "run"
     p, log = start(run, flags)
     while not (run / "checkpoint-2").is_dir() and p.poll() is None:
@@ -381,8 +387,12 @@ def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vll
     assert sum(sizes.values()) < weights, (sizes, weights)          # adapter-sized: no copy of the frozen base
     export = tmp_path / "full" / "final_model"
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(export))
-    r = subprocess.run([sys.executable, "-c", VLLM_LORA, tiny_default[0], str(export)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    from safetensors import safe_open
+    assert not any("lora" in n for n in safe_open(export.with_name("final_model_merged") / "model.safetensors", "pt").keys())
+    r = subprocess.run([sys.executable, "-c", VLLM_LORA, tiny_default[0], str(export), str(export.with_name("final_model_merged"))],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and "DIFF" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    diff, effect = (float(x) for x in r.stdout.split("DIFF")[1].split("ADAPTER_EFFECT"))
-    assert diff < 1e-4 and effect > 1e-3, r.stdout
+    merged, rest = r.stdout.split("MERGED")[1].split("DIFF")
+    diff, effect = (float(x) for x in rest.split("ADAPTER_EFFECT"))
+    print(f"adapter: PEFT vs vLLM {diff:.1e}, the adapter's effect {effect:.3f}; merged export vs PEFT logits {float(merged):.1e}")
+    assert diff < 1e-4 and effect > 1e-3 and float(merged) < 1e-4, r.stdout

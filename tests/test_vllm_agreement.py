@@ -96,6 +96,42 @@ def test_a_sync_that_misses_a_weight_is_an_error(setup):
     rollout.sync_weights(llm, model, bucket_mb=1024)   # whole again, for the tests that follow
 
 
+@pytest.mark.parametrize("flags", [["--freeze_vision_tower", "--freeze_projector"], ["--use_peft", "--lora_r", "4"]],
+                         ids=["frozen_visual", "lora_merged"])
+def test_frozen_units_are_not_sent_when_unchanged(setup, flags):
+    """After a first whole sync, sync_weights(changed_only=True) (train.sync, --sleep_level 0|1) sends the
+    units that train alone: vLLM then agrees with the trainer, a frozen weight changed behind its back is
+    not seen (it was not sent), and a trainable weight left out is still an error."""
+    import copy
+    import types
+
+    llm, model, processor, samples, tol = setup
+    args = train.parse_args(flags + ["--tiny_arch", model.config.model_type])
+    policy = model_py.trainable(copy.deepcopy(model), args).eval()
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    _, whole = rollout.sync_weights(llm, policy, bucket_mb=0, tied=tied)
+    with torch.no_grad():
+        for prm in (p for p in policy.parameters() if p.requires_grad):
+            prm.add_(torch.randn_like(prm) * 0.05)
+    _, sent = rollout.sync_weights(llm, policy, bucket_mb=0, tied=tied, changed_only=True)
+    after = max_logp_diff(llm, policy, processor, samples, seed=80)
+    frozen = [p for p in policy.parameters() if not p.requires_grad]
+    with torch.no_grad():   # a frozen weight changed behind the sync's back: vLLM keeps the one it had
+        for prm in frozen:
+            prm.add_(torch.randn_like(prm) * 0.05)
+    rollout.sync_weights(llm, policy, bucket_mb=0, tied=tied, changed_only=True)
+    unseen = max_logp_diff(llm, policy, processor, samples, seed=90)
+    partial = types.SimpleNamespace(named_parameters=lambda: [(n, p) for n, p in policy.named_parameters()
+                                                              if not ("layers.1.mlp.down_proj." in n and ".lora_" not in n)],
+                                    named_modules=policy.named_modules)
+    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp.down_proj"):
+        rollout.sync_weights(llm, partial, bucket_mb=0, tied=tied, changed_only=True)
+    rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)   # the base again, for the tests that follow
+    print(f"{model.config.model_type} {flags}: sent {sent / whole:.2f} of the weights' bytes, agree {after:.2e}, "
+          f"frozen change unseen {unseen:.2e}")
+    assert 0 < sent < whole and after < tol < unseen, (sent, whole, after, unseen)
+
+
 def test_buckets_never_split_a_layer(setup):
     model = setup[1]
     for mb in (0, 1, 1024):
