@@ -260,15 +260,14 @@ def reward_columns(samples):
     return {k: [s["columns"].get(k) for s in samples] for k in (samples[0]["columns"] if samples else {})}
 
 
-def collate(samples, completions, pad_id, banned, C=None):
+def collate(samples, completions, pad_id, banned):
     """Left-pad prompts, right-pad completions to C tokens -> one micro-batch for the training forward.
 
     completions[i] (list of token ids) belongs to samples[i]. Returns tensors with
-    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C). train.py passes the
-    longest completion over all ranks as C: the log-probs run lm_head once per chunk of B x C
-    tokens, and under ZeRO-3 every call gathers its weight, so all ranks must make as many calls."""
+    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C): P the longest prompt, C the
+    longest completion."""
     P = max(s["hf"]["input_ids"].shape[1] for s in samples)
-    C = C or max(max(len(c) for c in completions), 1)
+    C = max(max(len(c) for c in completions), 1)
     B = len(samples)
     ids = torch.full((B, P + C), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + C), dtype=torch.long)

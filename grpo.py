@@ -60,7 +60,7 @@ def _chunk_stats(lm_head, hidden, token_ids, temperature, banned, top_p, with_en
 
 
 def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, banned=None, top_p=1.0,
-                with_entropy=False):
+                with_entropy=False, chunks=None):
     """Log-probs of `token_ids` under softmax(lm_head(hidden) / temperature), `chunk_tokens` rows of
     logits at a time; `banned` ids (a LongTensor) get probability 0, as the sampler's logit_bias gives them.
     With `with_entropy`, the entropy of that distribution per token, from the same chunk of logits.
@@ -70,12 +70,15 @@ def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, 
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
     chunk too. -> TokenStats: logps (B, C); with top_p < 1, log_nucleus (B, C), the log of the
     probability of the nucleus each token was drawn from (no grad), so that logps - log_nucleus
-    is what the sampler reports (vLLM's processed log-probs); with `with_entropy`, entropy (B, C)."""
+    is what the sampler reports (vLLM's processed log-probs); with `with_entropy`, entropy (B, C).
+    `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
+    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
+    size = chunk_tokens if chunks is None else -(-B * C // chunks)
     parts = []
-    for s in range(0, B * C, chunk_tokens):
-        args = (lm_head, flat_h[s:s + chunk_tokens], flat_ids[s:s + chunk_tokens], temperature, banned, top_p, with_entropy)
+    for s in range(0, size * chunks if chunks else B * C, size):
+        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], temperature, banned, top_p, with_entropy)
         if torch.is_grad_enabled() and flat_h.requires_grad:
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:

@@ -63,7 +63,7 @@ MM_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
 def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
-                  top_p=1.0, with_entropy=False, **mm):
+                  top_p=1.0, with_entropy=False, chunks=None, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
     ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats: log-probs,
     each (B, C), and with `with_entropy` the entropy), never full logits, of the distribution the
@@ -89,7 +89,7 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
         if hook is not None:
             hook.remove()
     return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p,
-                            with_entropy)
+                            with_entropy, chunks)
 
 
 def vision_dummy(visual):

@@ -107,7 +107,7 @@ def completion_logps(engine, batch, run, top_p=1.0, with_entropy=False):
     pass over the vocabulary -> grpo.TokenStats: logps (B, C); with top_p < 1 the log-mass of the
     nucleus each token was drawn from; with `with_entropy` the entropy of the sampled distribution."""
     return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, temperature=run.args.temperature,
-                  chunk_tokens=run.args.logprob_chunk_tokens, top_p=top_p, with_entropy=with_entropy,
+                  chunks=batch["chunks"], top_p=top_p, with_entropy=with_entropy,
                   banned=torch.tensor(run.banned, dtype=torch.long, device=run.device))
 
 
@@ -391,24 +391,30 @@ def advantages(run, groups):
 
 
 def micro_batches(run, groups):
-    """The rollout batch as micro-batches of per_device_train_batch_size sequences, completions
-    padded to the longest over all ranks: under ZeRO-3 every rank must make the same number of
-    forward/lm_head calls (each gathers parameters), which is checked here, before it could hang."""
+    """The rollout batch as micro-batches of per_device_train_batch_size sequences, sorted by length so
+    that similar lengths share one, each padded to its own longest prompt and completion (not the
+    step's: one long answer no longer widens every micro-batch). Under ZeRO-3 every rank must make the
+    same number of forward and lm_head calls (each gathers parameters): the micro-batch count is
+    checked here, before it could hang, and each micro-batch takes the most log-prob chunks any rank
+    needs for its position (grpo.token_logps splits fewer tokens as many times)."""
     mb = run.args.per_device_train_batch_size
     seqs = [(g.sample, ids, lp, a) for g in groups for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
-    c_max = torch.tensor(max([len(s[1]) for s in seqs] + [1]), device=run.device)
-    dist.all_reduce(c_max, op=dist.ReduceOp.MAX)
-    C = int(c_max)
+    seqs.sort(key=lambda s: s[0]["hf"]["input_ids"].shape[1] + len(s[1]))   # stable: a group stays in order
     batches = []
     for i in range(0, len(seqs), mb):
         part = seqs[i:i + mb]
-        inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned, C)
-        sampler = torch.zeros(len(part), C)                                                 # (B, C)
+        inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
+        sampler = torch.zeros(inputs["completion_mask"].shape)                               # (B, C)
         for j, s in enumerate(part):
             sampler[j, :len(s[2])] = torch.tensor(s[2])
         batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
                             sampler_logps=sampler, old_logps=None, ref_logps=None))
-    ranks.check_same("micro-batches per step and padded completion length", [len(batches), C], run.device)
+    ranks.check_same("micro-batches per step", [len(batches)], run.device)
+    chunks = torch.tensor([-(-b["inputs"]["completion_mask"].numel() // run.args.logprob_chunk_tokens) for b in batches],
+                          device=run.device)
+    dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
+    for b, n in zip(batches, chunks.tolist()):
+        b["chunks"] = n
     return batches
 
 
@@ -450,6 +456,8 @@ def update(run, batches, m):
             ts = completion_logps(engine, b, run, args.top_p if it == 0 else 1.0, with_entropy=True)   # (B, C) each
             cmask = b["inputs"]["completion_mask"].to(run.device)                  # (B, C)
             if it == 0:   # same weights as the sampler: the sampled distribution should agree (~0)
+                attn = b["inputs"]["attention_mask"]
+                add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed
                 old = b["old_logps"] if b["old_logps"] is not None else ts.logps.detach()   # pi_old, (B, C)
                 sampler = b["sampler_logps"].to(run.device)                                  # (B, C)
                 diff = (old - (ts.log_nucleus if ts.log_nucleus is not None else 0) - sampler).abs() * cmask

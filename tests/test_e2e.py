@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import ARCHS, FAST, ROOT, launch, tiny_of
+from conftest import ARCHS, FAST, ROOT, ZERO3_SMALL, launch, tiny_of
 
 pytestmark = pytest.mark.launch   # every test here runs the launcher or builds the grounding model
 
@@ -56,7 +56,8 @@ def test_demo_learns(tmp_path, tiny_default):
     # every memory lever at once, with the smallest sync buckets and logprob chunks
     ["--offload_optimizer", "--offload_model", "--sleep_level", "1", "--gc_collect_after_offload", "--freeze_vision_tower",
      "--sync_bucket_mb", "0", "--logprob_chunk_tokens", "2", "--ref_offload", "--limit_images", "1",
-     "--max_pixels", "3136", "--min_pixels", "784", "--gradient_checkpointing"],
+     "--max_pixels", "3136", "--min_pixels", "784", "--gradient_checkpointing",
+     "--max_completion_length", "6", "--reward_funcs", "length_penalty"],   # completions of 1-6 tokens: each rank's widths
     # no reference model, no checkpointing, the other loss and advantage switches
     ["--beta", "0", "--no-gradient_checkpointing", "--no-gc_collect_after_offload", "--sleep_level", "2",
      "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2",
@@ -142,7 +143,9 @@ def test_text_only_rank_beside_an_image_rank(tmp_path, arch):
     """For every family: mixed data where rank 1 draws only text samples (epoch 0's permutation,
     every second entry) and rank 0 only image samples: ZeRO-3 stays in step (the text rank runs the
     vision tower on a dummy image, deepstack mergers included) and vLLM, tensor parallel over both
-    ranks, agrees with the trainer on both (Qwen3.5: bf16 on both sides, see test_vllm_agreement)."""
+    ranks, agrees with the trainer on both (Qwen3.5: bf16 on both sides, see test_vllm_agreement). Each rank
+    pads its micro-batches to its own lengths; one token per log-prob chunk gives the ranks different chunk
+    counts unless train.micro_batches evens them."""
     import json
 
     import numpy as np
@@ -161,7 +164,7 @@ def test_text_only_rank_beside_an_image_rank(tmp_path, arch):
                       "--max_prompt_length", "64", "--max_completion_length", "2", "--min_pixels", str(grid ** 2),
                       "--max_pixels", str(4 * grid ** 2), "--rollout_batch_size", "4", "--num_generations", "4",
                       "--max_steps", "3", "--val_freq", "0", "--no-save_final_model", "--no-val_before_train",
-                      "--vllm_tensor_parallel_size", "2")
+                      "--vllm_tensor_parallel_size", "2", "--logprob_chunk_tokens", "1", *ZERO3_SMALL)   # chunk calls gather
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3] and "skipped" not in log
     assert max(r["rollout/logp_diff_max"] for r in train_rows) < (0.1 if arch == "qwen3_5" else 1e-4)

@@ -97,13 +97,20 @@ def test_zero_spread_group_gives_zero_advantages():
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_chunked_logps_equal_naive(grad):
+@pytest.mark.parametrize("chunks", [None, 2, 30])
+def test_chunked_logps_equal_naive(grad, chunks):
+    """chunks: exactly that many lm_head calls (30 for 21 tokens: 9 empty), as a rank with fewer tokens
+    than another makes them (train.micro_batches)."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False)
     hidden = torch.randn(3, 7, 16, requires_grad=grad)
     ids = torch.randint(0, 50, (3, 7))
     naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4)
+    calls = []
+    hook = head.register_forward_hook(lambda *a: calls.append(1))
+    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4, chunks=chunks)
+    hook.remove()
+    assert len(calls) == (chunks or 6)
     chunked, nucleus = ts.logps, ts.log_nucleus
     assert torch.allclose(chunked, naive, atol=1e-5) and nucleus is None
     if grad:

@@ -56,7 +56,7 @@ class FakeEngine:
         self.forwards = 0
 
     def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
-                 top_p=1.0, with_entropy=False, **mm):
+                 top_p=1.0, with_entropy=False, chunks=None, **mm):
         self.forwards += 1
         C = completion_mask.shape[1]
         logp = torch.log_softmax((self.module.w / temperature).index_fill(0, banned, float("-inf")), -1)   # (V,)
@@ -273,6 +273,29 @@ def test_micro_batches_carry_what_the_update_needs(parts, tmp_path):
     assert b["sampler_logps"].tolist() == [[-1.0]] * 8
 
 
+def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
+    """No global padding: sequences sorted by length share micro-batches, each padded to its own longest
+    completion, so one 20-token answer widens only its own; each micro-batch takes the log-prob chunks
+    its tokens need (the most over ranks), and the update logs the padded share of what it processed."""
+    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=4, logprob_chunk_tokens=8)
+    lengths = [[3, 1, 20, 2], [1, 1, 2, 3], [2, 2, 1, 1], [3, 2, 1, 1]]
+    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-1.0] * n for n in ls],
+                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[float(10 * i + j) for j in range(G)])
+              for i, (s, ls) in enumerate(zip(samples, lengths))]
+    batches = train.micro_batches(run, groups)
+    widths = [b["inputs"]["completion_mask"].shape[1] for b in batches]
+    assert widths == [1, 2, 2, 20] and [b["chunks"] for b in batches] == [1, 1, 1, 10]
+    assert sorted(a for b in batches for a in b["advantages"].tolist()) == sorted(a for g in groups for a in g.advantages)
+    assert batches[-1]["advantages"].tolist()[-1] == 2.0 and batches[-1]["sampler_logps"][-1].tolist() == [-1.0] * 20
+    padded = sum(b["inputs"]["completion_mask"].numel() for b in batches)
+    assert padded == 4 * (1 + 2 + 2 + 20) < 16 * 20   # the step's longest everywhere: 320 tokens
+    stats = train.update(run, batches, {})
+    cmask = [b["inputs"]["completion_mask"] for b in batches]
+    attn = [b["inputs"]["attention_mask"] for b in batches]
+    assert 0 < stats["update/padded_frac"] == pytest.approx(1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
+    assert sum(c.sum().item() for c in cmask) == sum(map(sum, lengths))
+
+
 # ----------------------------------------------------------------------------- old/ref log-probs, update
 def test_old_and_ref_logps_only_when_needed(parts, tmp_path):
     run, samples = make_run(parts, tmp_path, num_iterations=1)
@@ -302,7 +325,7 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
     assert (w[red] > w[blue]) == (reds > blues) and w[red] != w[blue]
     assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/entropy", "train/grad_norm", "train/lr",
-                          "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac"}
+                          "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac", "update/padded_frac"}
     assert 0 < stats["train/entropy"] <= math.log(len(tok))   # the fake's unigram policy, token-weighted
     uniform = -math.log(len(tok) - len(run.banned))          # the fake policy before the step, banned ids excluded
     assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
