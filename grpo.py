@@ -129,7 +129,8 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
     loss_agg, micro-batch loss from per-token terms:
       "token" (DAPO)      sum / norm; norm defaults to the mask sum, train.py passes the token
                           count of the rollout batch per micro-batch so micro-batches add up;
-      "sequence" (GRPO)   mean over tokens of each sequence, then over sequences;
+      "sequence" (GRPO)   mean over tokens of each sequence, summed over sequences / norm (default:
+                          the micro-batch's sequences; train.py passes the rollout batch's share);
       "dr_grpo" (Liu et al. 2025, arXiv 2503.20783)  sum / norm, norm = sequences x max_completion_length
                           (a constant: no length bias), given by the caller.
     metrics: micro-batch means over its completion tokens ("clip_frac", "kl", "entropy") and "tokens", their count."""
@@ -161,7 +162,7 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
         denom = mask.sum() if norm is None else norm
         loss = (per_token * mask).sum() / max(float(denom), 1.0)
     elif loss_agg == "sequence":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / (mask.shape[0] if norm is None else norm)
     else:
         raise ValueError(f"--loss_agg must be token, sequence or dr_grpo, got {loss_agg!r}")
     n = mask.sum()

@@ -281,8 +281,12 @@ def plan(args, cluster, s=None):
     image_tokens = min(args.limit_images * max_pixels // s["grid"] ** 2, args.max_prompt_length)
     seq = args.max_prompt_length + args.max_completion_length
     act = activation_bytes(s, p, args.gradient_checkpointing)
-    activations = mb * (seq * act["text_token"] + image_tokens * act["image_token"]) \
-        + mb * max(seq * act["text_recompute"], image_tokens * act["image_recompute"])   # one layer recomputed (GC)
+    # a micro-batch's padded tokens: mb sequences at full length, or the token budget (one longer sequence
+    # goes alone), holding at most as many images as sequences of an image and a token fit it
+    tokens = max(args.micro_batch_tokens, seq) if args.micro_batch_tokens else mb * seq
+    images = min(tokens // (image_tokens + 1), tokens) * image_tokens if args.micro_batch_tokens else mb * image_tokens
+    activations = tokens * act["text_token"] + images * act["image_token"] \
+        + max(tokens * act["text_recompute"], images * act["image_recompute"])   # one layer recomputed (GC)
     chunk = args.logprob_chunk_tokens * s["V"] * (4 * 2 + p)   # fp32 logits and their grad, lm_head's output
     tp = args.vllm_tensor_parallel_size
     weights = s["n"] * p

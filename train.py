@@ -391,18 +391,32 @@ def advantages(run, groups):
 
 
 def micro_batches(run, groups):
-    """The rollout batch as micro-batches of per_device_train_batch_size sequences, sorted by length so
-    that similar lengths share one, each padded to its own longest prompt and completion (not the
-    step's: one long answer no longer widens every micro-batch). Under ZeRO-3 every rank must make the
-    same number of forward and lm_head calls (each gathers parameters): the micro-batch count is
-    checked here, before it could hang, and each micro-batch takes the most log-prob chunks any rank
-    needs for its position (grpo.token_logps splits fewer tokens as many times)."""
-    mb = run.args.per_device_train_batch_size
+    """The rollout batch as micro-batches of per_device_train_batch_size sequences (or, with
+    --micro_batch_tokens, as many as fit the budget), sorted by length so that similar lengths share
+    one, each padded to its own longest prompt and completion (not the step's: one long answer no
+    longer widens every micro-batch). Under ZeRO-3 every rank must make the same number of forward
+    and lm_head calls (each gathers parameters): a rank with fewer budget micro-batches splits its
+    largest, the count is checked here, before it could hang, and each micro-batch takes the most
+    log-prob chunks any rank needs for its position (grpo.token_logps splits fewer tokens as many times)."""
+    args = run.args
     seqs = [(g.sample, ids, lp, a) for g in groups for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
-    seqs.sort(key=lambda s: s[0]["hf"]["input_ids"].shape[1] + len(s[1]))   # stable: a group stays in order
+    size = lambda s: s[0]["hf"]["input_ids"].shape[1] + max(len(s[1]), 1)   # noqa: E731  (tokens, padded alone)
+    seqs.sort(key=size)   # stable: a group stays in order
+    if not args.micro_batch_tokens:
+        parts = [seqs[i:i + args.per_device_train_batch_size] for i in range(0, len(seqs), args.per_device_train_batch_size)]
+    else:
+        parts = [[]]
+        for s in seqs:   # ascending: the newest sequence is its micro-batch's longest
+            if parts[-1] and (len(parts[-1]) + 1) * size(s) > args.micro_batch_tokens:
+                parts.append([])
+            parts[-1].append(s)
+        most = torch.tensor(len(parts), device=run.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        while len(parts) < most:   # every rank has as many sequences: one of >= 2 is there to split
+            k = max((i for i, p in enumerate(parts) if len(p) > 1), key=lambda i: len(parts[i]) * size(parts[i][-1]))
+            parts[k:k + 1] = [parts[k][:len(parts[k]) // 2], parts[k][len(parts[k]) // 2:]]
     batches = []
-    for i in range(0, len(seqs), mb):
-        part = seqs[i:i + mb]
+    for part in parts:
         inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
         sampler = torch.zeros(inputs["completion_mask"].shape)                               # (B, C)
         for j, s in enumerate(part):
@@ -410,7 +424,7 @@ def micro_batches(run, groups):
         batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
                             sampler_logps=sampler, old_logps=None, ref_logps=None))
     ranks.check_same("micro-batches per step", [len(batches)], run.device)
-    chunks = torch.tensor([-(-b["inputs"]["completion_mask"].numel() // run.args.logprob_chunk_tokens) for b in batches],
+    chunks = torch.tensor([-(-b["inputs"]["completion_mask"].numel() // args.logprob_chunk_tokens) for b in batches],
                           device=run.device)
     dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
     for b, n in zip(batches, chunks.tolist()):
@@ -442,9 +456,9 @@ def update(run, batches, m):
     dist.all_reduce(n_tokens)
     # Per micro-batch normaliser: DeepSpeed divides each micro-batch loss by gas and averages ranks,
     # so the sum over micro-batches is the whole batch's objective.
-    norm = {"token": n_tokens.item(), "sequence": None,
-            "dr_grpo": args.rollout_batch_size * args.num_generations * args.max_completion_length}[args.loss_agg]
-    norm = norm / (run.world * run.gas) if norm is not None else None
+    sequences = args.rollout_batch_size * args.num_generations
+    norm = {"token": n_tokens.item(), "sequence": sequences, "dr_grpo": sequences * args.max_completion_length}[args.loss_agg]
+    norm = norm / (run.world * run.gas)   # gas: DeepSpeed's constant divisor, however many micro-batches there are
     engine.train()
     loss_sum, lrs = 0.0, []
     sums, weights = {}, {}   # {logged name: sum of value x weight}, {logged name: sum of weights}
@@ -476,6 +490,7 @@ def update(run, batches, m):
                 epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=b["ref_logps"], loss_agg=args.loss_agg,
                 norm=norm, importance_sampling_level=args.importance_sampling_level, is_weights=b["is_weights"],
                 entropy=ts.entropy, entropy_coef=args.entropy_coef)
+            engine.set_gradient_accumulation_boundary(j == len(batches) - 1)   # the step's micro-batch count, not gas
             engine.backward(loss)
             if j == len(batches) - 1:
                 lrs.append(engine.get_lr()[0])   # the rate of the optimizer step the next call takes

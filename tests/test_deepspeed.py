@@ -196,50 +196,57 @@ def test_a_relaunch_with_a_longer_schedule_trains_at_its_own_rate(world1, tmp_pa
 
 
 UNEVEN = """
-import os, sys, types
+import sys, types
 import torch, torch.distributed as dist, deepspeed
 from transformers import AutoProcessor
 from transformers.integrations import HfDeepSpeedConfig
 import data, model, train
-model_dir, train_jsonl, even = sys.argv[1], sys.argv[2], sys.argv[3] == "even"
+model_dir, train_jsonl, mode = sys.argv[1:4]
 dist.init_process_group("gloo")
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
-args = train.parse_args(["--rollout_batch_size", "2", "--num_generations", "2", "--per_device_train_batch_size", "2",
+args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size", "2",
                          "--logprob_chunk_tokens", "1", "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
 cfg = model.ds_config(args, 1, 2, bf16=False)
 keep = HfDeepSpeedConfig(cfg)
 policy = model.load_model(model_dir, args, torch.float32)
 engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
 processor = AutoProcessor.from_pretrained(model_dir)
-sample = data.prepare(data.read_jsonl(train_jsonl)[rank], processor, args)
-width = 1 if rank == 0 else 5   # rank 0's micro-batch: 2 tokens, 2 chunks; rank 1's: 10
-group = train.Group(sample=sample, token_ids=[[5] * width] * 2, sampler_logps=[[-1.0] * width] * 2, texts=["", ""],
-                    finish_reasons=["stop"] * 2, advantages=[1.0, -1.0])
+samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
+P = samples[0]["hf"]["input_ids"].shape[1]
+if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
+    args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
+else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
+    widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
+groups = [train.Group(sample=s, token_ids=[[5] * n for n in w], sampler_logps=[[-1.0] * n for n in w], texts=["", ""],
+                      finish_reasons=["stop"] * 2, advantages=[1.0, -1.0]) for s, w in zip(samples, widths)]
 run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, banned=[], device=torch.device("cpu"), rank=rank)
-b = train.micro_batches(run, [group])[0]
-chunks = b["chunks"] if even else b["inputs"]["completion_mask"].numel()
-ts = engine(**b["inputs"], chunks=chunks)
-engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
-engine.step()
-print("STEPPED", rank, chunks, flush=True)
+batches = train.micro_batches(run, groups)
+for j, b in enumerate(batches):
+    ts = engine(**b["inputs"], chunks=b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel())
+    engine.set_gradient_accumulation_boundary(j == len(batches) - 1)
+    engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
+    engine.step()
+print("STEPPED", rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
 """
 
 
-@pytest.mark.parametrize("even", ["even", "uneven"])
-def test_ranks_with_different_widths_make_as_many_lm_head_calls(tmp_path, tiny_default, even):
-    """No global padding: two ranks whose micro-batches hold 2 and 10 completion tokens, one token per
-    log-prob chunk, every parameter partitioned (ZeRO-3). train.micro_batches gives both ranks 10 chunks
-    and the step completes; each rank with its own count (2 and 10) is what that prevents: ZeRO-3's
-    gathers of lm_head no longer pair up, and gloo aborts ("Is there a distributed collective mismatch")
-    where NCCL would hang (stopped after 90 s here)."""
+@pytest.mark.parametrize("mode", ["even", "uneven", "budget"])
+def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, mode):
+    """No global padding, on two ranks with every parameter partitioned (ZeRO-3) and one token per
+    log-prob chunk. even: micro-batches of 2 and 10 completion tokens; train.micro_batches gives both
+    ranks 10 chunks and the step completes. uneven: each rank with its own count (2 and 10) is what that
+    prevents: ZeRO-3's gathers of lm_head no longer pair up, and gloo aborts ("Is there a distributed
+    collective mismatch") where NCCL would hang. budget (--micro_batch_tokens): rank 0's sequences fit one
+    micro-batch and rank 1's need two; rank 0 splits its own, and both ranks take one optimizer step over
+    their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas)."""
     import subprocess
     import sys
 
     from conftest import ROOT, free_port
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], even], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], mode], cwd=ROOT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in (0, 1)]
     try:
@@ -249,7 +256,8 @@ def test_ranks_with_different_widths_make_as_many_lm_head_calls(tmp_path, tiny_d
     finally:
         for p in procs:
             p.kill()
-    if even == "even":
-        assert outs and all(f"STEPPED {r} 10" in o for r, o in enumerate(outs)), outs and outs[0][-3000:]
+    expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
+    if expect:
+        assert outs and all(f"STEPPED {r} {expect}" in o for r, o in enumerate(outs)), outs and [o[-2000:] for o in outs]
     else:
         assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]

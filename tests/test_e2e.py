@@ -172,17 +172,21 @@ def test_text_only_rank_beside_an_image_rank(tmp_path, arch):
 
 def test_logged_numbers_do_not_depend_on_the_micro_batch(tmp_path, tiny_default):
     """train/kl, train/clip_frac, train/loss and the sampler checks are token-weighted over the whole
-    rollout batch: the same step logs the same numbers with micro-batches of 8 and of 32 (before,
+    rollout batch: the same step logs the same numbers with micro-batches of 8, of 32, and of a token
+    budget (--micro_batch_tokens: micro-batches of unequal counts) (before,
     kl and clip_frac averaged per-micro-batch means: 1% to 1.6% apart)."""
     flags = ["--num_generations", "4", "--rollout_batch_size", "8", "--max_steps", "1", "--val_freq", "0",
              "--num_iterations", "2", "--no-save_final_model", "--learning_rate", "0.02", "--max_completion_length", "6",
              "--reward_funcs", "length_penalty"]   # lengths vary: rewards spread
     small, _ = launch(tmp_path / "mb8", *flags, "--per_device_train_batch_size", "8", procs=1)
     large, _ = launch(tmp_path / "mb32", *flags, "--per_device_train_batch_size", "32", procs=1)
+    budget, _ = launch(tmp_path / "tokens", *flags, "--per_device_train_batch_size", "8", "--micro_batch_tokens", "150",
+                       procs=1)   # micro-batches of unequal counts
     a, b = small[-1], large[-1]
+    assert budget[-1]["update/padded_frac"] != a["update/padded_frac"]   # the budget made other micro-batches
     assert a["train/clip_frac"] > 0 and a["train/kl"] > 0      # the second iteration moved the policy
     assert a["completion/length"] not in (1.0, 6.0)            # micro-batches hold different token counts
     # Not bitwise: micro-batches pad their prompts to different lengths (1e-7 apart here).
     for k in ("train/kl", "train/clip_frac", "train/entropy", "train/loss", "reward/mean", "rollout/logp_diff_mean",
               "sampling/is_ratio_mean"):
-        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) == budget[-1][k], (k, a[k], b[k], budget[-1][k])

@@ -83,6 +83,18 @@ def test_norm_tokens_makes_micro_batches_add_up():
     assert parts.item() == pytest.approx(whole.item())
 
 
+@pytest.mark.parametrize("loss_agg,norm", [("token", 6), ("sequence", 4)])
+def test_unequal_micro_batches_add_up(loss_agg, norm):
+    """--micro_batch_tokens makes micro-batches of 1 and 3 sequences: with the rollout batch's norm (tokens,
+    or sequences for "sequence") their losses still sum to the whole batch's."""
+    logps, old = torch.zeros(4, 2), torch.full((4, 2), -0.1)
+    adv, mask = torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    whole, _ = grpo.grpo_loss(logps, old, adv, mask, loss_agg=loss_agg)
+    parts = sum(grpo.grpo_loss(logps[a:b], old[a:b], adv[a:b], mask[a:b], loss_agg=loss_agg, norm=norm)[0]
+                for a, b in ((0, 1), (1, 4)))
+    assert parts.item() == pytest.approx(whole.item()) and whole.item() != 0
+
+
 def test_zero_spread_group_gives_zero_advantages():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     adv, zero_frac = grpo.group_advantages(rewards, 3)

@@ -256,3 +256,23 @@ def test_the_sync_phase_holds_vllms_weights_not_its_pool_when_it_sleeps():
         assert sync["vLLM weights (woken for the sync; KV cache after the offload)"] == s["n"] * 2
     awake = planner.plan(train.parse_args(["--model", "qwen2.5-vl-3b", "--bf16"]), cluster, s)["phases"]["sync"]["gpu"]
     assert awake["vLLM pool (weights + KV cache)"] == 0.3 * 40 * planner.GB   # no sleep: the pool never leaves
+
+
+def test_a_token_budget_bounds_the_update_activations():
+    """--micro_batch_tokens: the update phase holds one micro-batch of at most the budget's padded tokens
+    (a longer sequence alone), with as many images as sequences of an image and a token fit it, not
+    per_device_train_batch_size sequences at full length. 7B on 8 x 80 GB: a sequence is up to 4,096 +
+    1,024 tokens with a 1,280-token image; 4,096 tokens hold 3 such images, 8,192 tokens 6."""
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=512, cuda=True)
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--num_generations", "8",
+             "--max_completion_length", "1024", "--per_device_train_batch_size", "4"]
+    s = planner.model_shape("qwen2.5-vl-7b")
+    act = {}
+    for name, extra in (("mb4", []), ("mb1", ["--per_device_train_batch_size", "1"]), ("4k", ["--micro_batch_tokens", "4096"]),
+                        ("8k", ["--micro_batch_tokens", "8192"])):
+        act[name] = planner.plan(train.parse_args(flags + extra), cluster, s)["phases"]["update"]["gpu"]["activations"]
+    assert act["mb1"] < act["4k"] < act["8k"] < act["mb4"], act
+    a = planner.activation_bytes(s, 2, True)
+    one = lambda tokens, images: tokens * a["text_token"] + images * a["image_token"] + max(  # noqa: E731
+        tokens * a["text_recompute"], images * a["image_recompute"])
+    assert act["mb1"] == one(5120, 1280) and act["4k"] == one(5120, 3 * 1280) and act["8k"] == one(8192, 6 * 1280)

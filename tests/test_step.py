@@ -47,13 +47,17 @@ class FakeLLM:
 
 class FakeEngine:
     """Stands in for the DeepSpeed engine: a unigram policy (one logit per token id) under SGD,
-    stepping at the gradient-accumulation boundary and scaling the loss by 1/gas as DeepSpeed does."""
+    stepping at the gradient-accumulation boundary (the one set, as DeepSpeed's set_gradient_accumulation_boundary
+    overrides its count) and scaling the loss by 1/gas as DeepSpeed does."""
     def __init__(self, vocab, gas, lr=1.0):
         self.module = torch.nn.Module()
         self.module.w = torch.nn.Parameter(torch.zeros(vocab))
         self.opt, self.gas, self.calls, self.lr = torch.optim.SGD(self.module.parameters(), lr=lr), gas, 0, lr
         self.optimizer = self.opt
-        self.forwards = 0
+        self.forwards, self.boundary = 0, None
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self.boundary = is_boundary
 
     def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
                  top_p=1.0, with_entropy=False, chunks=None, **mm):
@@ -68,7 +72,7 @@ class FakeEngine:
 
     def step(self):
         self.calls += 1
-        if self.calls % self.gas == 0:
+        if self.boundary if self.boundary is not None else self.calls % self.gas == 0:
             self.opt.step()
             self.opt.zero_grad()
 
@@ -294,6 +298,25 @@ def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
     attn = [b["inputs"]["attention_mask"] for b in batches]
     assert 0 < stats["update/padded_frac"] == pytest.approx(1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
     assert sum(c.sum().item() for c in cmask) == sum(map(sum, lengths))
+
+
+def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
+    """--micro_batch_tokens: length-sorted sequences fill a micro-batch while sequences x (longest prompt +
+    completion) fits the budget; the one long answer goes alone; and the update steps the optimizer once
+    per iteration, at the last micro-batch, whatever their count."""
+    prompt = parts[2][0]["hf"]["input_ids"].shape[1]
+    run, samples = make_run(parts, tmp_path, micro_batch_tokens=6 * (prompt + 2))
+    lengths = [[1, 1, 100, 2], [1, 1, 2, 2], [2, 2, 1, 1], [2, 2, 1, 1]]
+    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-1.0] * n for n in ls],
+                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[1.0, -1.0, 0.5, -0.5])
+              for s, ls in zip(samples, lengths)]
+    batches = train.micro_batches(run, groups)
+    shapes = [tuple(b["inputs"]["completion_mask"].shape) for b in batches]
+    assert shapes == [(6, 1), (6, 2), (3, 2), (1, 100)], (shapes, prompt)   # 8 ones, 7 twos, one of 100 alone
+    steps = []
+    run.engine.opt.step = lambda: steps.append(run.engine.calls)
+    train.update(run, batches, {})
+    assert steps == [len(batches)]
 
 
 # ----------------------------------------------------------------------------- old/ref log-probs, update
