@@ -261,26 +261,28 @@ def reward_columns(samples):
 
 
 def collate(samples, completions, pad_id, banned):
-    """Left-pad prompts, right-pad completions to C tokens -> one micro-batch for the training forward.
+    """Left-pad each prompt + completion to the longest -> one micro-batch for the training forward.
 
-    completions[i] (list of token ids) belongs to samples[i]. Returns tensors with
-    input_ids (B, P + C), attention_mask (B, P + C), completion_mask (B, C): P the longest prompt, C the
-    longest completion."""
-    P = max(s["hf"]["input_ids"].shape[1] for s in samples)
+    completions[i] (list of token ids) belongs to samples[i]. Returns tensors with input_ids (B, T),
+    attention_mask (B, T), completion_mask (B, C): T the longest prompt + completion (not the longest
+    prompt + the longest completion: length-sorted micro-batches pad little), C the longest completion.
+    A row's completion fills its last len(completion) positions: every (B, C) tensor of the step
+    (completion_mask, the sampler's and the trainer's log-probs) is right-aligned with input_ids[:, -C:]."""
     C = max(max(len(c) for c in completions), 1)
+    T = max(s["hf"]["input_ids"].shape[1] + len(c) for s, c in zip(samples, completions))
     B = len(samples)
-    ids = torch.full((B, P + C), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + C), dtype=torch.long)
-    mm_types = torch.zeros((B, P + C), dtype=torch.long)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mm_types = torch.zeros((B, T), dtype=torch.long)
     cmask = torch.zeros((B, C), dtype=torch.float32)
     for i, (s, c) in enumerate(zip(samples, completions)):
-        pl = s["hf"]["input_ids"].shape[1]
-        ids[i, P - pl:P], attn[i, P - pl:P] = s["hf"]["input_ids"][0], 1
-        mm_types[i, P - pl:P] = s["hf"]["mm_token_type_ids"][0]
+        pl, n = s["hf"]["input_ids"].shape[1], len(c)
+        ids[i, T - n - pl:T - n], attn[i, T - n - pl:] = s["hf"]["input_ids"][0], 1
+        mm_types[i, T - n - pl:T - n] = s["hf"]["mm_token_type_ids"][0]
         c = torch.tensor(c, dtype=torch.long)
         ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long))  # control tokens: out of input and loss
-        ids[i, P:P + len(c)] = torch.where(ok, c, torch.tensor(pad_id))
-        attn[i, P:P + len(c)], cmask[i, :len(c)] = 1, ok.float()
+        ids[i, T - n:] = torch.where(ok, c, torch.tensor(pad_id))
+        cmask[i, C - n:] = ok.float()
     batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask)
     if any("pixel_values" in s["hf"] for s in samples):
         batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s in samples if "pixel_values" in s["hf"]])

@@ -270,7 +270,8 @@ def vllm_case(box, level, dtype):
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id, box.banned.tolist())
     with torch.no_grad():
         logps = model(**{k: v.cuda() for k, v in batch.items()}, temperature=0.9, banned=box.banned.cuda()).logps
-    diff = max(abs(logps[i, t].item() - next(iter(d.values())).logprob)
+    C = batch["completion_mask"].shape[1]   # completions right-aligned (data.collate)
+    diff = max(abs(logps[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
                for i, c in enumerate(comps) for t, d in enumerate(c.logprobs))
     return {"logp_diff_max": diff, "device_gb_awake": awake, "device_gb_asleep": asleep, "sleep_freed_gb": awake - asleep,
             "gc_empty_cache_freed_gb": freed / GB, "torch_threads_after_engine_start": threads}

@@ -401,7 +401,7 @@ def micro_batches(run, groups):
     args = run.args
     seqs = [(g.sample, ids, lp, a) for g in groups for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
     size = lambda s: s[0]["hf"]["input_ids"].shape[1] + max(len(s[1]), 1)   # noqa: E731  (tokens, padded alone)
-    seqs.sort(key=size)   # stable: a group stays in order
+    seqs.sort(key=size)   # stable: a group stays in order; a micro-batch is as wide as its longest (data.collate)
     if not args.micro_batch_tokens:
         parts = [seqs[i:i + args.per_device_train_batch_size] for i in range(0, len(seqs), args.per_device_train_batch_size)]
     else:
@@ -419,8 +419,8 @@ def micro_batches(run, groups):
     for part in parts:
         inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
         sampler = torch.zeros(inputs["completion_mask"].shape)                               # (B, C)
-        for j, s in enumerate(part):
-            sampler[j, :len(s[2])] = torch.tensor(s[2])
+        for j, s in enumerate(part):   # right-aligned, as data.collate lays out each completion
+            sampler[j, sampler.shape[1] - len(s[2]):] = torch.tensor(s[2])
         batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
                             sampler_logps=sampler, old_logps=None, ref_logps=None))
     ranks.check_same("micro-batches per step", [len(batches)], run.device)

@@ -55,7 +55,8 @@ def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1
     with torch.no_grad():
         ts = model(**batch, temperature=temperature, banned=torch.tensor(banned), top_p=top_p)
         hf = ts.logps - (ts.log_nucleus if ts.log_nucleus is not None else 0)            # (B, C)
-    diffs = [abs(hf[i, t].item() - next(iter(d.values())).logprob)
+    C = hf.shape[1]   # completions right-aligned (data.collate)
+    diffs = [abs(hf[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
              for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
     assert len(diffs) >= len(comps) * 2, "too few sampled tokens to compare"
     return max(diffs)
