@@ -24,20 +24,38 @@ GB = 1024 ** 3
 
 
 def measure():
-    """-> {gpu_device_gb, gpu_alloc_gb, gpu_reserved_gb, gpu_peak_gb (CUDA only), host_rss_gb, host_avail_gb}.
-
-    gpu_device_gb is what the device holds (total - free, cudaMemGetInfo): vLLM allocates its
-    weights and KV cache in its own CUDA memory pool and sleep unmaps that memory behind torch's
-    back, so torch's allocated/reserved counters neither show all of it nor drop when it sleeps."""
+    """-> {host_rss_gb, host_avail_gb, host_peak_gb, host_anon_gb, and with CUDA: gpu_device_gb,
+    gpu_alloc_gb, gpu_reserved_gb, gpu_peak_gb, gpu_vllm_gb, host_pinned_gb} (gpu_figures)."""
     m = {"host_rss_gb": psutil.Process().memory_info().rss / GB,
          "host_avail_gb": psutil.virtual_memory().available / GB}
     m.update({f"host_{k}_gb": v / GB for k, v in proc_status().items()})
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        m.update(gpu_device_gb=(total - free) / GB, gpu_alloc_gb=torch.cuda.memory_allocated() / GB,
-                 gpu_reserved_gb=torch.cuda.memory_reserved() / GB,
-                 gpu_peak_gb=torch.cuda.max_memory_allocated() / GB)
+        cumem = sys.modules.get("vllm.device_allocator.cumem")   # imported by vLLM when it can sleep
+        vllm = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+        m.update(gpu_figures(total - free, torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
+                             torch.cuda.max_memory_allocated(), vllm.pointer_to_data if vllm else {},
+                             torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
     return m
+
+
+def gpu_figures(device, allocated, reserved, peak, vllm_allocations, pinned):
+    """The GPU readings, in GB, with vLLM's pool apart from the trainer's.
+
+    vLLM's sleep-mode allocator (vllm/device_allocator/cumem.py) allocates the weights and KV cache
+    through a torch MemPool: torch's allocated/reserved/peak counters include every one of those
+    allocations, and still do after sleep unmaps them behind torch's back. So gpu_alloc/reserved/
+    peak_gb here are torch's minus vLLM's allocations (vllm_allocations: its pointer_to_data, one
+    AllocationData per allocation, sized handle[1]; the peak on the assumption that vLLM's own
+    allocations did not change in the phase); gpu_vllm_gb is what vLLM maps on the device now (awake
+    allocations); gpu_device_gb what the device holds (cudaMemGetInfo: total - free); host_pinned_gb
+    torch's pinned host blocks (power-of-two sizes, cached: level-1 sleep's copy of the weights and
+    DeepSpeed's offload buffers live there). What is left, device - reserved - vllm, is held outside
+    both: CUDA contexts, NCCL buffers, cuBLAS workspaces."""
+    held = sum(a.handle[1] for a in vllm_allocations.values())
+    mapped = sum(a.handle[1] for a in vllm_allocations.values() if not a.is_asleep)
+    return {"gpu_device_gb": device / GB, "gpu_alloc_gb": (allocated - held) / GB, "gpu_reserved_gb": (reserved - held) / GB,
+            "gpu_peak_gb": (peak - held) / GB, "gpu_vllm_gb": mapped / GB, "host_pinned_gb": pinned / GB}
 
 
 def proc_status():
@@ -154,9 +172,26 @@ def is_oom(exc):
 
 
 def is_host_oom(exc):
-    """True when host RAM, not the GPU, ran out (MemoryError, ENOMEM, or torch's CPU allocator)."""
+    """True when host RAM, not the GPU, ran out (MemoryError, ENOMEM, torch's CPU allocator, or a
+    pinned host allocation: see is_pinned_oom)."""
     return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
-            or any(s in str(exc).lower() for s in _HOST_OOM))
+            or any(s in str(exc).lower() for s in _HOST_OOM) or is_pinned_oom(exc))
+
+
+def is_pinned_oom(exc):
+    """A pinned host allocation that failed: cudaHostAlloc's error reads as a CUDA "out of memory", but
+    host RAM ran out (vLLM's level-1 sleep pins a copy of the weights, cumem.py's sleep; DeepSpeed pins
+    its offload buffers). Told apart by the code that raised it: a frame whose statement asks for
+    pinned memory (pin_memory), or vLLM's CuMemAllocator.sleep."""
+    import linecache
+    tb = exc.__traceback__
+    while tb is not None:
+        code, line = tb.tb_frame.f_code, tb.tb_lineno
+        statement = "".join(linecache.getline(code.co_filename, n) for n in range(line, line + 6))
+        if "pin_memory" in statement or (code.co_name == "sleep" and code.co_filename.endswith("cumem.py")):
+            return "out of memory" in str(exc).lower()
+        tb = tb.tb_next
+    return False
 
 
 _GEN = ["lower --vllm_gpu_memory_utilization (vLLM's weights + KV cache share the GPU with training)",
@@ -172,11 +207,12 @@ PHASE_FIX = {
     "update": _TRAIN, "old_ref_logps": _TRAIN,
     "data": ["lower --max_pixels (images are decoded and resized here)", "lower --limit_images"],
     "checkpoint": ["free disk space under --output_dir and host RAM (the 16-bit model is gathered to save it)"],
+    "sleep": ["--sleep_level 2 (vLLM drops its weights instead of pinning a host copy; each sync then sends them all)"],
 }
 _GENERAL = ["smaller --per_device_train_batch_size", "lower --vllm_gpu_memory_utilization",
             "lower --max_pixels", "shorter --max_completion_length",
             "see the table above for which phase grew"]
-_HOST = ["--sleep_level 2 (level 1 keeps a host copy of the weights per rank)",
+_HOST = ["--sleep_level 2 (level 1 keeps a pinned host copy of the weights per rank, in power-of-two blocks)",
          "fewer ranks per node (each holds its own offload partitions, vLLM copy and ~3 GB runtime)"]
 
 
@@ -202,13 +238,18 @@ def diagnose(exc, phase, last_table):
     fixes = PHASE_FIX.get(phase, _GENERAL)
     if host:  # host advice first; offloading to (or sleeping into) host RAM would only make it worse
         fixes = _HOST + [f for f in fixes if "offload" not in f and "--sleep_level" not in f]
-    else:     # what the device holds beyond torch's own cache: vLLM's pool (weights, KV cache), contexts
+        if is_pinned_oom(exc):
+            fixes = ["pinned host memory ran out, not the GPU (the CUDA error says 'out of memory' for both)"] + fixes
+    else:     # what the device holds beyond the trainer's own cache: vLLM's pool (weights, KV cache), contexts
         row = {k.rsplit("/", 1)[1]: v for k, v in last_table.items() if k.startswith(f"mem/{phase}/")}
-        outside = row.get("gpu_device_gb", 0) - row.get("gpu_reserved_gb", 0)
+        vllm = row.get("gpu_vllm_gb", 0)
+        outside = row.get("gpu_device_gb", 0) - row.get("gpu_reserved_gb", 0) - vllm
         if outside > 1:
-            fixes = [f"{outside:.1f} GB of the device is held outside torch's allocator (vLLM's weights and KV "
-                     f"cache, CUDA contexts): lower --vllm_gpu_memory_utilization, or --sleep_level 1/2 so "
-                     f"vLLM frees it outside rollouts"] + fixes
+            fixes = [f"{outside:.1f} GB of the device is held outside torch and vLLM (CUDA contexts, NCCL buffers, "
+                     f"cuBLAS workspaces: about 1-3 GB per process; more ranks or TP groups per GPU add to it)"] + fixes
+        if vllm > 1:
+            fixes = [f"vLLM holds {vllm:.1f} GB of the device in this phase (weights and KV cache): lower "
+                     f"--vllm_gpu_memory_utilization{'' if phase in ('rollout', 'validation') else ', or --sleep_level 1/2 so vLLM frees it outside rollouts'}"] + fixes
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return "\n".join([f"[oom] {'host RAM' if host else 'GPU'} ran out in phase '{phase}'",
                       f"  {type(exc).__name__}: {first}", "last memory per phase (GB):", render_table(last_table),

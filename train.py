@@ -369,7 +369,8 @@ def filter_groups(run, groups, step, m):
 def sleep(run, m):
     """vLLM sleeps (frees its GPU memory) and the trainer states come back to the GPU."""
     args = run.args
-    m["sleep/freed_gb"] = rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload) / 2 ** 30
+    with memory.phase("sleep", m):   # level 1 pins a host copy of the weights here: an OOM names this phase
+        m["sleep/freed_gb"] = rollout.sleep(run.llm, args.sleep_level, args.gc_collect_after_offload) / 2 ** 30
     if run.offload:
         with memory.phase("reload", m):
             run.engine.reload_states()

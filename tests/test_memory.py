@@ -1,5 +1,6 @@
 """memory.py: OOM detection and diagnosis, and the per-phase measurements (the plan: test_planner.py)."""
 import errno
+import types
 
 import pytest
 import torch
@@ -93,22 +94,58 @@ def test_phase_entered_twice_adds_its_time_and_keeps_the_worst_memory():
     assert log["mem/rollout/host_avail_gb"] == -1.0        # the least available is kept
 
 
-def test_device_level_memory_beside_torchs_and_in_the_advice(monkeypatch):
-    """vLLM's pool and sleep are invisible to torch's counters: the device's own figure
-    (total - free) is logged too, and the OOM advice reads it. No CUDA here: the counters are stand-ins."""
+def vllm_pool(awake_gb, asleep_gb):
+    """vLLM's CuMemAllocator allocations as cumem.py records them: vLLM's own AllocationData, handle
+    (device, aligned size, device pointer, CUmemGenericAllocationHandle); the pointers are stand-ins."""
+    from vllm.device_allocator import AllocationData
+    pool = {1 << 40: AllocationData(handle=(0, awake_gb * GB, 1 << 40, 0), tag="weights")}
+    if asleep_gb:
+        pool[2 << 40] = AllocationData(handle=(0, asleep_gb * GB, 2 << 40, 0), tag="kv_cache", is_asleep=True)
+    return pool
+
+
+def test_device_memory_apart_from_vllms_pool_and_in_the_advice(monkeypatch):
+    """vLLM allocates through a torch MemPool: torch's counters include vLLM's weights and KV cache, asleep
+    or not. The trainer's figures leave vLLM's allocations out, vLLM's mapped bytes are their own column,
+    and the advice tells vLLM's share from what neither holds (CUDA contexts, NCCL). No CUDA here: torch's
+    counters are stand-ins, vLLM's allocation records its own class (before: alloc 35, reserved 40, and
+    the "held outside torch" hint could never fire while vLLM was awake)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * GB, 80 * GB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 20 * GB)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 25 * GB)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 30 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 35 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 40 * GB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 45 * GB)
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 32 * GB})
+    from vllm.device_allocator.cumem import CuMemAllocator
+    monkeypatch.setattr(CuMemAllocator, "instance", types.SimpleNamespace(pointer_to_data=vllm_pool(12, 3)))
     m = memory.measure()
-    assert (m["gpu_device_gb"], m["gpu_reserved_gb"], m["gpu_alloc_gb"]) == (70, 25, 20)
+    assert (m["gpu_device_gb"], m["gpu_alloc_gb"], m["gpu_reserved_gb"], m["gpu_peak_gb"]) == (70, 20, 25, 30)
+    assert (m["gpu_vllm_gb"], m["host_pinned_gb"]) == (12, 32)
     assert memory.used_bytes() == 70 * GB
     table = {f"mem/update/{k}": v for k, v in m.items()}
-    advice = memory.diagnose(torch.OutOfMemoryError("CUDA out of memory"), "update", table)
-    first = advice.split("try, in order:")[1].splitlines()[1]
-    assert "45.0 GB of the device is held outside torch's allocator" in first and "gpu_device" in advice
+    advice = memory.diagnose(torch.OutOfMemoryError("CUDA out of memory"), "update", table).split("try, in order:")[1]
+    lines = advice.strip().splitlines()
+    assert "vLLM holds 12.0 GB" in lines[0] and "--sleep_level 1/2" in lines[0]
+    assert "33.0 GB of the device is held outside torch and vLLM" in lines[1]
     assert "gpu_device=70.00G" in memory.summary(table)
+
+
+def test_a_failed_pinned_allocation_gets_host_advice():
+    """cudaHostAlloc failing reads "CUDA error: out of memory", yet host RAM ran out: level-1 sleep pins a
+    copy of vLLM's weights (cumem.py's sleep), DeepSpeed its offload buffers. The error is a stand-in (no
+    CUDA here), raised from a statement that asks for pinned memory, as those do; the advice is the host's,
+    without --sleep_level 1 or offloading, and the phase train.sleep now runs in is named."""
+    def backup(size):
+        raise RuntimeError("CUDA error: out of memory")   # torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    with pytest.raises(RuntimeError) as info:
+        backup(1 << 30)
+    assert memory.is_oom(info.value) and memory.is_pinned_oom(info.value) and memory.is_host_oom(info.value)
+    text = memory.diagnose(info.value, "sleep", {})
+    advice = text.split("try, in order:")[1]
+    assert "host RAM ran out in phase 'sleep'" in text and "pinned host memory ran out" in advice
+    assert "--sleep_level 2" in advice and "--sleep_level 1" not in advice and "offload" not in advice.replace("offload partitions", "")
+    gpu = memory.diagnose(RuntimeError("CUDA error: out of memory"), "sleep", {})   # raised elsewhere: the GPU
+    assert "GPU ran out" in gpu and not memory.is_pinned_oom(RuntimeError("CUDA error: out of memory"))
 
 
 def test_phase_peak_rss_sees_transients_and_nested_phases():
