@@ -240,7 +240,10 @@ def trainable_params(s, args):
 
 
 NO_SAVE = "no checkpoint phase (--save_steps 0 --no-save_final_model); a preemption's checkpoint is not planned"
-PHASES = ("load", "sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint")
+# vllm_start (GPU only): train.setup starts vLLM before the trainer's model exists and puts it to sleep
+# (--sleep_level 1|2) before loading it, so its pool and the trainer's states meet only at level 0
+PHASES = ("vllm_start", "load", "sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint")
+TRAINER = PHASES[1:]   # the phases after the trainer's states exist
 
 
 def zero_states(s, args, cluster, cfg):
@@ -293,7 +296,7 @@ def plan(args, cluster, s=None):
     trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
     # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
     saves = args.save_steps > 0 or args.save_final_model
-    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES if ph != "checkpoint" or saves}
+    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES if (ph != "checkpoint" or saves) and (ph != "vllm_start" or cluster.cuda)}
 
     def add(place, name, nbytes, only=PHASES):
         for ph in only:
@@ -322,11 +325,11 @@ def plan(args, cluster, s=None):
         ({"params"} if args.offload_model else set())
     for k, v in terms.items():
         if where[k] == "host":
-            add("host", f"ZeRO-3 {k} (static offload)", v * ranks)
+            add("host", f"ZeRO-3 {k} (static offload)", v * ranks, TRAINER)
         else:
-            add("gpu", f"ZeRO-3 {k}", v, [ph for ph in PHASES if not (k in moved and ph in ("rollout", "validation"))])
+            add("gpu", f"ZeRO-3 {k}", v, [ph for ph in TRAINER if not (k in moved and ph in ("rollout", "validation"))])
             if k in moved:
-                add("host", f"offload_states pinned {k}", v * ranks)
+                add("host", f"offload_states pinned {k}", v * ranks, TRAINER)
     add("host", "rank runtime + CUDA context", (CPU["runtime_gb"] + CUDA_CONTEXT_GB) * GB * ranks)
     # ZeRO-3 keeps up to stage3_max_live_parameters gathered (ds_zero3.json: 1e9), at least the largest layer
     live = cfg.get("zero_optimization", {}).get("stage3_max_live_parameters", 10 ** 9)
@@ -337,18 +340,19 @@ def plan(args, cluster, s=None):
     add("gpu", "log-prob chunk", chunk, ("update", "old_ref_logps"))
     if args.beta > 0 and not args.use_peft:   # the reference model's ZeRO-3 shards (LoRA: the adapter switched off)
         if args.ref_offload:
-            add("host", "reference model", weights / world * ranks)
+            add("host", "reference model", weights / world * ranks, TRAINER)
         else:
-            add("gpu", "reference model", weights / world)
+            add("gpu", "reference model", weights / world, TRAINER)
     # ---- vLLM: its pool is --vllm_gpu_memory_utilization of the device while awake (weights, KV, profile)
     # With sleep, train.sync wakes the weights alone, syncs, offloads the trainer states, and only then
     # wakes the KV cache: the sync phase holds vLLM's weights, not its pool, beside the trainer states.
     add("gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
-        PHASES if args.sleep_level == 0 else ("load", "rollout", "validation"))
+        PHASES if args.sleep_level == 0 else ("vllm_start", "rollout", "validation"))
     if args.sleep_level > 0:
         add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
     if args.sleep_level == 1:
-        add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks)
+        add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
+            TRAINER)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
     # (frozen weights are left out of checkpoints: their share of the params term is not staged)
     staged = sum(v * (trains / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")

@@ -189,19 +189,8 @@ def setup(args):
     if rank == 0:
         print(report)
 
-    # ---- model, reference, optimizer under ZeRO-3
-    model.check_fused_adam(cfg)
-    dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
-    policy = model.load_model(args.model, args, dtype)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = model.trainable(policy, args)   # LoRA (--use_peft), frozen vision tower / projector
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
-                                      config=cfg, lr_scheduler=model.lr_schedule(args))
-    ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
-        if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
-
-    # ---- vLLM, one engine per rank (or per TP group)
+    # ---- vLLM first, one engine per rank (or per TP group), asleep (--sleep_level 1|2) before the trainer's
+    # states reach the GPU: its pool and theirs then never meet at load (the plan's vllm_start and load phases)
     tp = args.vllm_tensor_parallel_size
     tp_group = None
     if tp > 1:
@@ -215,6 +204,18 @@ def setup(args):
         print(f"[setup] torch threads per rank after the vLLM engine started: {threads}")
     if args.sleep_level > 0:
         rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
+
+    # ---- model, reference, optimizer under ZeRO-3
+    model.check_fused_adam(cfg)
+    dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
+    policy = model.load_model(args.model, args, dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = model.trainable(policy, args)   # LoRA (--use_peft), frozen vision tower / projector
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+                                      config=cfg, lr_scheduler=model.lr_schedule(args))
+    ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
+        if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
     banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)
 
     # ---- data

@@ -276,3 +276,26 @@ def test_a_token_budget_bounds_the_update_activations():
     one = lambda tokens, images: tokens * a["text_token"] + images * a["image_token"] + max(  # noqa: E731
         tokens * a["text_recompute"], images * a["image_recompute"])
     assert act["mb1"] == one(5120, 1280) and act["4k"] == one(5120, 3 * 1280) and act["8k"] == one(8192, 6 * 1280)
+
+
+def test_load_does_not_stack_vllms_pool_on_the_trainer_states():
+    """train.setup starts vLLM before the trainer's model and, with --sleep_level 1|2, puts it to sleep before
+    loading that model: the plan's vllm_start phase holds vLLM's pool alone, load the trainer's states alone.
+    EasyR1's hardware table runs Qwen2.5-VL-3B on 4 x 40 GB (vLLM share 0.6, offload during rollout): refused
+    at load by 3.6 GB while load stacked both, it fits. At --sleep_level 0 the pool stays and load holds both."""
+    import inspect
+    src = inspect.getsource(train.setup)   # the order the plan assumes is the order the code runs in
+    assert src.index("rollout.create_engine(") < src.index("rollout.sleep(") < src.index("model.load_model(")
+    cluster = planner.Cluster(gpus_per_node=4, nodes=1, gpu_gb=40, host_gb=1024, cuda=True)
+    flags = ["--model", "qwen2.5-vl-3b", "--bf16", "--sleep_level", "1", "--vllm_gpu_memory_utilization", "0.6",
+             "--zero_offload", "none", "--offload_optimizer", "--offload_model", "--rollout_batch_size", "64",
+             "--num_generations", "5", "--max_prompt_length", "2048", "--max_completion_length", "2048",
+             "--per_device_train_batch_size", "1"]
+    s = planner.model_shape("qwen2.5-vl-3b")
+    pl = planner.plan(train.parse_args(flags), cluster, s)
+    start, load = pl["phases"]["vllm_start"]["gpu"], pl["phases"]["load"]["gpu"]
+    assert "vLLM pool (weights + KV cache)" in start and not any(k.startswith("ZeRO-3") for k in start)
+    assert "vLLM pool (weights + KV cache)" not in load and any(k.startswith("ZeRO-3") for k in load)
+    assert planner.verdict(pl, cluster)[0]
+    awake = planner.plan(train.parse_args(flags + ["--sleep_level", "0"]), cluster, s)["phases"]["load"]["gpu"]
+    assert "vLLM pool (weights + KV cache)" in awake
