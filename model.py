@@ -88,8 +88,12 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
     finally:
         if hook is not None:
             hook.remove()
-    return grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p,
-                            with_entropy, chunks)
+    ts = grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p,
+                          with_entropy, chunks)
+    # A shorter completion's window (right-aligned, data.collate) starts inside its prompt, whose control
+    # tokens are banned: log-prob -inf there, and -inf x a mask of 0 is NaN in the loss. Zero them, gradient too.
+    ts.logps = ts.logps.masked_fill(completion_mask == 0, 0.0)
+    return ts
 
 
 def vision_dummy(visual):

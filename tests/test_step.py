@@ -542,6 +542,32 @@ def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
         assert "the logged metrics and how each combines over ranks" in r["metric_error"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(arch):
+    """Completions are right-aligned (data.collate): a 1-token answer beside a 6-token one has its prompt's
+    tail, the chat template's banned control tokens included, in the log-prob window. Those positions
+    read 0, not -inf (which made the loss NaN and the gradient norm inf in a 2-step run); the real
+    completion tokens are unchanged."""
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    model_dir, train_jsonl, _ = tiny_of(arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--tiny_arch", arch])
+    sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
+    model = train.model.load_model(model_dir, args, torch.float32)
+    banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
+    batch = data.collate([sample, sample], [[5] * 6, [7]], processor.tokenizer.pad_token_id, banned.tolist())
+    assert set(batch["input_ids"][1, -6:-1].tolist()) & set(banned.tolist())   # a control token in the window
+    logps = model(**batch, banned=banned).logps
+    loss, _ = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), batch["completion_mask"], beta=0.04,
+                             ref_logps=logps.detach() - 0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()), banned=banned).logps
+    assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- text-only samples
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
