@@ -200,8 +200,9 @@ def setup(args):
     llm = rollout.create_engine(args.model, args, "bfloat16" if bf16 else "float32",
                                 max_num_seqs=max(per_rank * args.num_generations * tp, 16), rank=rank // tp)
     threads = rollout.restore_threads(threads)
-    if rank == 0:
-        print(f"[setup] torch threads per rank after the vLLM engine started: {threads}")
+    if rank == 0:   # the kernels torch dispatches follow the CPU's ISA: runs compare bitwise only on the same (docs/demos.md)
+        print(f"[setup] torch threads per rank after the vLLM engine started: {threads}; CPU kernels: "
+              f"{torch.backends.cpu.get_cpu_capability()}")
     if args.sleep_level > 0:
         rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
 
