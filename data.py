@@ -288,3 +288,51 @@ def collate(samples, completions, pad_id, banned):
         batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s in samples if "pixel_values" in s["hf"]])
         batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s in samples if "image_grid_thw" in s["hf"]])
     return batch
+
+
+def collate_prefix(parts, pad_id, banned):
+    """Shared-prefix micro-batch (--shared_prefix): each part, (sample, [completion ids, ...]) of one group,
+    is one row, its prompt (text and image) once and then its completions one after another, left-padded to
+    the longest row. -> the tensors of collate, laid out for model.logps_forward's shared-prefix path:
+    input_ids, mm_token_type_ids (R, T); attention_mask (R, 1, T, T) bool: a prompt token sees the prompt
+    before it, a completion token the whole prompt and its own completion before it, never another
+    completion (a pad token sees itself alone: no row of the mask is empty); prompt_mask (R, T): the prompt
+    tokens (their rotary positions are the prompt's own, a completion's continue after them, as in
+    separate sequences); and per completion, N in all: completion_mask (N, C) right-aligned as collate's,
+    targets (N, C) and the flat index (N, C) of the hidden state that predicts each target."""
+    comps = [c for _, cs in parts for c in cs]
+    C = max(max(len(c) for c in comps), 1)
+    lengths = [s["hf"]["input_ids"].shape[1] + sum(len(c) for c in cs) for s, cs in parts]
+    R, T, N = len(parts), max(lengths), len(comps)
+    ids = torch.full((R, T), pad_id, dtype=torch.long)
+    mm_types = torch.zeros((R, T), dtype=torch.long)
+    prompt = torch.zeros((R, T), dtype=torch.bool)
+    offset = torch.zeros((R, T), dtype=torch.long)                             # a completion token's place in it, from 1
+    attn = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1, 1)                   # (R, 1, T, T)
+    cmask, targets, index = torch.zeros((N, C)), torch.full((N, C), pad_id, dtype=torch.long), torch.zeros((N, C), dtype=torch.long)
+    stop = torch.tensor(sorted(banned), dtype=torch.long)
+    n = 0
+    for r, ((s, cs), L) in enumerate(zip(parts, lengths)):
+        start, P = T - L, s["hf"]["input_ids"].shape[1]
+        ids[r, start:start + P], mm_types[r, start:start + P] = s["hf"]["input_ids"][0], s["hf"]["mm_token_type_ids"][0]
+        prompt[r, start:start + P] = True
+        attn[r, 0, start:start + P, start:start + P] = torch.ones(P, P, dtype=torch.bool).tril()
+        at = start + P
+        for c in cs:
+            c = torch.tensor(c, dtype=torch.long)
+            k, ok = len(c), ~torch.isin(c, stop)                                 # control tokens: out of input and loss
+            ids[r, at:at + k] = torch.where(ok, c, torch.tensor(pad_id))
+            attn[r, 0, at:at + k, start:start + P] = True
+            attn[r, 0, at:at + k, at:at + k] = torch.ones(k, k, dtype=torch.bool).tril()
+            index[n] = r * T + start + P - 1                                     # outside the completion: any valid row
+            if k:
+                index[n, C - k:] = r * T + torch.cat([torch.tensor([start + P - 1]), torch.arange(at, at + k - 1)])
+                targets[n, C - k:], cmask[n, C - k:] = ids[r, at:at + k], ok.float()
+                offset[r, at:at + k] = torch.arange(1, k + 1)
+            at, n = at + k, n + 1
+    batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask,
+                 prompt_mask=prompt, offset=offset, targets=targets, index=index)
+    if any("pixel_values" in s["hf"] for s, _ in parts):
+        batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s, _ in parts if "pixel_values" in s["hf"]])
+        batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s, _ in parts if "image_grid_thw" in s["hf"]])
+    return batch

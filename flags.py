@@ -35,6 +35,7 @@ def build_parser():
     p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
     p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
     p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to --max_micro_batch (micro_batch())")
+    p.add_argument("--shared_prefix", action="store_true", help="encode each group's prompt and image once in the training forward (policy, reference, old log-probs): its completions follow it in one row under a 4-D attention mask, with the positions of separate sequences; same loss and gradients. Families with linear-attention layers (Qwen3.5) and flash-attention fall back, said once")
     p.add_argument("--micro_batch_tokens", type=int, default=0, help="a token budget per micro-batch instead of a sequence count: length-sorted sequences fill each micro-batch while its padded size (sequences x the longest prompt + completion) stays within it; one longer sequence goes alone. 0: --per_device_train_batch_size sequences each")
     p.add_argument("--max_micro_batch", type=int, default=8, help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny model)")
     p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
@@ -168,6 +169,7 @@ def check_args(args, world):
     need(seqs % micro_batch(args, world) == 0,
          f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
+    need(not (args.shared_prefix and args.micro_batch_tokens), "--shared_prefix with --micro_batch_tokens: not built (rows hold whole groups; the budget counts sequences)")
     need(args.micro_batch_tokens >= 0, f"--micro_batch_tokens {args.micro_batch_tokens}: a token budget is >= 0 (0: off)")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")

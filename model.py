@@ -60,6 +60,7 @@ def image_grid(processor):
 # The multimodal inputs the processor makes for images (data.collate passes them on); anything else
 # reaching the forward is an error, not a keyword silently handed to the HF model.
 MM_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+PREFIX_INPUTS = ("prompt_mask", "offset", "targets", "index")   # data.collate_prefix's layout (--shared_prefix)
 
 
 def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
@@ -70,6 +71,7 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
     sampler draws from (temperature, banned ids, top_p). `mm`: only MM_INPUTS that this model's own
     forward names (each family's, checked)."""
     import inspect
+    prefix = [mm.pop(k, None) for k in PREFIX_INPUTS]
     unknown = [k for k in mm if k not in MM_INPUTS or k not in inspect.signature(self.model.forward).parameters]
     if unknown:
         raise TypeError(f"logps_forward: {unknown} are not multimodal inputs of {type(self.model).__name__} "
@@ -84,16 +86,46 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=
         hook = self.model.get_input_embeddings().register_forward_hook(
             lambda module, args, out: out + 0.0 * vision_dummy(self.model.visual))
     try:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
+        if prefix[0] is None:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
+            hidden, targets = hidden[:, -C - 1:-1], input_ids[:, -C:]
+        else:   # --shared_prefix (data.collate_prefix): one row per group, a 4-D mask, positions as in separate sequences
+            if self.config._attn_implementation != "sdpa":   # eager adds the mask to the scores
+                attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype).masked_fill(~attention_mask, torch.finfo(self.dtype).min)
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device), use_cache=False,
+                                position_ids=prefix_positions(self.model, input_ids, *prefix[:2], mm), **mm).last_hidden_state
+            hidden, targets = hidden.flatten(0, 1)[prefix[3]], prefix[2]                     # (N, C, H), (N, C)
     finally:
         if hook is not None:
             hook.remove()
-    ts = grpo.token_logps(self.lm_head, hidden[:, -C - 1:-1], input_ids[:, -C:], temperature, chunk_tokens, banned, top_p,
-                          with_entropy, chunks)
+    ts = grpo.token_logps(self.lm_head, hidden, targets, temperature, chunk_tokens, banned, top_p, with_entropy, chunks)
     # A shorter completion's window (right-aligned, data.collate) starts inside its prompt, whose control
     # tokens are banned: log-prob -inf there, and -inf x a mask of 0 is NaN in the loss. Zero them, gradient too.
     ts.logps = ts.logps.masked_fill(completion_mask == 0, 0.0)
     return ts
+
+
+def shared_prefix_unsupported(config, attn_implementation):
+    """Why --shared_prefix cannot run on this model (None: it can). A linear-attention layer (Qwen3.5's Gated
+    DeltaNet) carries a state along the row, not a mask, so a completion would read the others' tokens;
+    flash-attention takes no arbitrary mask (sdpa does: its memory-efficient kernel on a GPU; eager too)."""
+    layers = getattr(getattr(config, "text_config", config), "layer_types", None) or []
+    if any(t != "full_attention" for t in layers):
+        return f"{config.model_type} has {sorted(set(layers) - {'full_attention'})} layers (a state, not a mask)"
+    if attn_implementation not in ("sdpa", "eager"):
+        return f"--attn_implementation {attn_implementation} takes no arbitrary attention mask (sdpa or eager do)"
+    return None
+
+
+def prefix_positions(hf_model, input_ids, prompt_mask, offset, mm):
+    """Rotary positions (3, R, T) of a shared-prefix micro-batch: each prompt's own (the family's
+    get_rope_index over the prompt tokens alone: M-RoPE for its image), and each completion token the
+    prompt's last position + its place in its completion, exactly as in a sequence of the prompt and that
+    completion alone."""
+    kw = {k: mm[k] for k in ("image_grid_thw",) if k in mm}
+    rope, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=mm["mm_token_type_ids"], attention_mask=prompt_mask.long(), **kw)
+    last = rope.masked_fill(~prompt_mask, -1).amax(dim=(0, 2), keepdim=True)                  # (1, R, 1)
+    return torch.where(prompt_mask, rope, last + offset).masked_fill((offset == 0) & ~prompt_mask, 1)
 
 
 def vision_dummy(visual):

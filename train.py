@@ -23,6 +23,7 @@ Left out on purpose: a trainer class, callbacks, a vLLM server mode, video.
 import argparse
 import atexit
 import dataclasses
+import itertools
 import os
 import random
 import sys
@@ -178,6 +179,10 @@ def setup(args):
     torch.manual_seed(args.seed)
     config = AutoConfig.from_pretrained(args.model)   # its family (model.FAMILIES) decides the CPU dtype
     bf16 = model.use_bf16(args, config)
+    if args.shared_prefix and (why := model.shared_prefix_unsupported(config, args.attn_implementation)):
+        args.shared_prefix = False   # said once; the standard path gives the same loss
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[setup] --shared_prefix falls back to one sequence per completion: {why}")
     dtype = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(args.output_dir, exist_ok=True)
     processor = AutoProcessor.from_pretrained(args.model)
@@ -402,9 +407,13 @@ def micro_batches(run, groups):
     largest, the count is checked here, before it could hang, and each micro-batch takes the most
     log-prob chunks any rank needs for its position (grpo.token_logps splits fewer tokens as many times)."""
     args = run.args
-    seqs = [(g.sample, ids, lp, a) for g in groups for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
+    seqs = [(g.sample, ids, lp, a, i) for i, g in enumerate(groups) for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
     size = lambda s: s[0]["hf"]["input_ids"].shape[1] + max(len(s[1]), 1)   # noqa: E731  (tokens, padded alone)
-    seqs.sort(key=size)   # stable: a group stays in order; a micro-batch is as wide as its longest (data.collate)
+    if args.shared_prefix:   # a group's completions stay together, one row (data.collate_prefix); longer rows last
+        rows = [g.sample["hf"]["input_ids"].shape[1] + sum(map(len, g.token_ids)) for g in groups]
+        seqs.sort(key=lambda s: rows[s[4]])
+    else:
+        seqs.sort(key=size)   # stable: a group stays in order; a micro-batch is as wide as its longest (data.collate)
     if not args.micro_batch_tokens:
         parts = [seqs[i:i + args.per_device_train_batch_size] for i in range(0, len(seqs), args.per_device_train_batch_size)]
     else:
@@ -420,7 +429,11 @@ def micro_batches(run, groups):
             parts[k:k + 1] = [parts[k][:len(parts[k]) // 2], parts[k][len(parts[k]) // 2:]]
     batches = []
     for part in parts:
-        inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
+        if args.shared_prefix:   # each group (or the part of it in this micro-batch) one row: its prompt once
+            rows_ = [list(r) for _, r in itertools.groupby(part, key=lambda s: s[4])]
+            inputs = data.collate_prefix([(r[0][0], [s[1] for s in r]) for r in rows_], run.pad_id, run.banned)
+        else:
+            inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
         sampler = torch.zeros(inputs["completion_mask"].shape)                               # (B, C)
         for j, s in enumerate(part):   # right-aligned, as data.collate lays out each completion
             sampler[j, sampler.shape[1] - len(s[2]):] = torch.tensor(s[2])

@@ -568,6 +568,77 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_shared_prefix_forward_equals_the_standard_one(arch):
+    """--shared_prefix (data.collate_prefix + model.logps_forward): a micro-batch of a whole group of 4, a
+    part of a group (2) and a text-only group (2), each row its prompt once under a 4-D mask with the
+    positions of separate sequences (M-RoPE for the image), gives the standard path's log-probs and, for
+    a GRPO loss, its gradients to fp32 rounding, with gradient checkpointing on; the vision tower encodes
+    2 images, not 6."""
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    model_dir, train_jsonl, _ = tiny_of(arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--tiny_arch", arch])
+    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:2]]
+    samples.append(data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args))
+    comps = [[[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21]], [[30, 31], [32, 33, 34, 35]], [[40], [41, 42, 43]]]
+    model = train.model.load_model(model_dir, args, torch.float32)
+    assert train.model.shared_prefix_unsupported(model.config, "sdpa") is None
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
+    pad = processor.tokenizer.pad_token_id
+    patches = []
+    model.model.visual.register_forward_hook(lambda mod, a, out: patches.append(a[0].shape[0]))
+    seqs = [(s, c) for s, cs in zip(samples, comps) for c in cs]
+    batches = {"standard": data.collate([s for s, _ in seqs], [c for _, c in seqs], pad, banned.tolist()),
+               "prefix": data.collate_prefix(list(zip(samples, comps)), pad, banned.tolist())}
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
+    out = {}
+    for name, batch in batches.items():
+        model.zero_grad()
+        logps = model(**batch, banned=banned, chunks=3).logps
+        loss, _ = grpo.grpo_loss(logps, logps.detach() + 0.01, adv, batch["completion_mask"], beta=0.04,
+                                 ref_logps=logps.detach() - 0.1)
+        loss.backward()
+        out[name] = logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (a, ga), (b, gb) = out["standard"], out["prefix"]
+    assert batches["prefix"]["input_ids"].shape[0] == 3 and a.shape == b.shape == (8, 5)
+    assert (a - b).abs().max() < 1e-5, (a - b).abs().max()
+    assert ga.keys() == gb.keys() and all(torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6) for n in ga)
+    assert patches[0] == 3 * patches[1]   # 6 images in the standard micro-batch, 2 in the shared-prefix one
+
+
+def test_shared_prefix_falls_back_where_a_row_cannot_share(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers carry a state along the row (a completion would read the others), and
+    flash-attention takes no arbitrary mask: both fall back to the standard path, said once at set-up."""
+    from transformers import AutoConfig
+
+    from conftest import tiny_of
+    why = train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]), "sdpa")
+    assert "linear_attention" in why
+    flash = train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen2_5_vl")[0]), "flash_attention_2")
+    assert "no arbitrary attention mask" in flash
+    with pytest.raises(SystemExit, match="--shared_prefix with --micro_batch_tokens"):
+        train.check_args(train.parse_args(["--num_generations", "4", "--shared_prefix", "--micro_batch_tokens", "64"]), 1)
+
+
+def test_shared_prefix_micro_batches_keep_a_group_in_one_row(parts, tmp_path):
+    """--shared_prefix: groups sorted by their row's length stay contiguous; a micro-batch holds each group,
+    or the part of it that falls in, as one row; every completion token is there once."""
+    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=6, shared_prefix=True)
+    lengths = [[1, 2, 3, 1], [2, 2, 1, 1], [1, 1, 1, 1], [3, 3, 2, 2]]
+    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-0.5] * n for n in ls],
+                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[1.0, -1.0, 0.5, -0.5])
+              for s, ls in zip(samples, lengths)]
+    batches = train.micro_batches(run, groups)   # 16 completions by 6: groups cut in two at the edges
+    assert [b["inputs"]["input_ids"].shape[0] for b in batches] == [2, 2, 1]   # rows: a group and a part, ..., a group
+    assert [b["inputs"]["completion_mask"].shape[0] for b in batches] == [6, 6, 4]
+    assert sum(b["inputs"]["completion_mask"].sum().item() for b in batches) == sum(map(sum, lengths))
+
+
 # ----------------------------------------------------------------------------- text-only samples
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
