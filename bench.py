@@ -243,8 +243,8 @@ def bench_vlm_tokens(out):
     64-1,024), for four ways to cut it into micro-batches: the step-wide padding of the previous round
     (8 sequences in group order, each micro-batch padded to its own longest prompt and the step's longest
     completion), TRL 1.16's (8 in group order, padded to the micro-batch's own longest prompt and
-    completion), train.micro_batches with 8 length-sorted sequences, and with --micro_batch_tokens 16384.
-    The last two are train.py's own code. Counted, not timed: on 2 CPU cores a 100M model's forward over
+    completion), train.micro_batches with 8 length-sorted sequences, with --micro_batch_tokens 16384, and
+    with --shared_prefix (each group's prompt once). The last three are train.py's own code. Counted, not timed: on 2 CPU cores a 100M model's forward over
     these ~190k tokens is minutes per path; its cost is about linear in the tokens (attention aside), and
     the update's peak activations in the largest micro-batch's padded tokens (planner.plan)."""
     import random
@@ -269,23 +269,24 @@ def bench_vlm_tokens(out):
     in_order = [seqs[i:i + 8] for i in range(0, len(seqs), 8)]
     padded = {"step_wide": [len(b) * (max(p for p, _ in b) + longest) for b in in_order],
               "trl": [len(b) * (max(p for p, _ in b) + max(c for _, c in b)) for b in in_order]}
-    for name, budget in (("sorted", 0), ("budget", 16384)):
-        args = train.parse_args(["--per_device_train_batch_size", "8", "--micro_batch_tokens", str(budget)])
+    for name, flags in (("sorted", []), ("budget", ["--micro_batch_tokens", "16384"]), ("shared_prefix", ["--shared_prefix"])):
+        args = train.parse_args(["--per_device_train_batch_size", "8", *flags])
         run = types.SimpleNamespace(args=args, pad_id=0, banned=[], device=torch.device("cpu"), rank=0)
-        padded[name] = [b["inputs"]["attention_mask"].numel() for b in train.micro_batches(run, groups)]
+        padded[name] = [b["inputs"]["input_ids"].numel() for b in train.micro_batches(run, groups)]
     base = sum(padded["step_wide"])
     for name, sizes in padded.items():
-        out[f"vlm_tokens_{name}"] = dict(processed=sum(sizes), micro_batches=len(sizes), largest_micro_batch=max(sizes),
-                                         padded_frac=1 - real / sum(sizes))
+        out[f"vlm_tokens_{name}"] = dict(processed=sum(sizes), micro_batches=len(sizes), largest_micro_batch=max(sizes))
     out.update(vlm_real_tokens=real, vlm_loss_tokens=loss,
                vlm_processed_ratio=sum(padded["sorted"]) / base, vlm_budget_processed_ratio=sum(padded["budget"]) / base,
                vlm_trl_processed_ratio=sum(padded["sorted"]) / sum(padded["trl"]),
-               vlm_activation_ratio=max(padded["budget"]) / max(padded["step_wide"]),
-               vlm_token_ratio=sum(padded["sorted"]) / (loss + sum(prompts)))
+               vlm_activation_ratio=max(padded["shared_prefix"]) / max(padded["step_wide"]),
+               vlm_budget_activation_ratio=max(padded["budget"]) / max(padded["step_wide"]),
+               vlm_token_ratio=sum(padded["shared_prefix"]) / (loss + sum(prompts)),
+               vlm_token_ratio_without_prefix=sum(padded["sorted"]) / (loss + sum(prompts)),
+               vlm_prefix_processed_ratio=sum(padded["shared_prefix"]) / base)
     print(f"\nVLM step, one rank ({len(seqs)} sequences, {real} tokens of which {loss} carry the loss):")
     for name, sizes in padded.items():
-        print(f"  {name:<10} {sum(sizes):>8} tokens processed ({1 - real / sum(sizes):.1%} padding) in {len(sizes)} "
-              f"micro-batches, the largest {max(sizes)}")
+        print(f"  {name:<13} {sum(sizes):>8} tokens processed in {len(sizes)} micro-batches, the largest {max(sizes)}")
 
 
 def main():
