@@ -299,3 +299,18 @@ def test_load_does_not_stack_vllms_pool_on_the_trainer_states():
     assert planner.verdict(pl, cluster)[0]
     awake = planner.plan(train.parse_args(flags + ["--sleep_level", "0"]), cluster, s)["phases"]["load"]["gpu"]
     assert "vLLM pool (weights + KV cache)" in awake
+
+
+def test_shared_prefix_counts_each_prompt_once_in_the_update():
+    """--shared_prefix: a micro-batch of 8 sequences of one group holds its prompt (4,096 tokens, a 1,280-token
+    image) once and 8 completions of 1,024: 12,288 tokens and one image, not 8 x 5,120 and 8 images."""
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=512, cuda=True)
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--num_generations", "8",
+             "--max_completion_length", "1024", "--per_device_train_batch_size", "8"]
+    s = planner.model_shape("qwen2.5-vl-7b")
+    act = {name: planner.plan(train.parse_args(flags + extra), cluster, s)["phases"]["update"]["gpu"]["activations"]
+           for name, extra in (("standard", []), ("prefix", ["--shared_prefix"]))}
+    a = planner.activation_bytes(s, 2, True)
+    one = lambda tokens, images: tokens * a["text_token"] + images * a["image_token"] + max(  # noqa: E731
+        tokens * a["text_recompute"], images * a["image_recompute"])
+    assert act["standard"] == one(8 * 5120, 8 * 1280) and act["prefix"] == one(4096 + 8 * 1024, 1280)
