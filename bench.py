@@ -12,7 +12,9 @@ these ratios, and writes them with details to runs/bench/bench.json:
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
   vlm_*              a realistic VLM step's tokens the training forward processes, by micro-batching
-                     (bench_vlm_tokens): counted with train.micro_batches' own code, not timed.
+                     (bench_vlm_tokens, counted with train.micro_batches' own code), and the update +
+                     log-prob time and activation peak of the same shape at a quarter size on the small
+                     tiny model (bench_vlm_update): step-wide padding, TRL's, sorted, --shared_prefix.
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
 Memory in-process: host RSS sampled every ~1 ms by a thread (blind to small blocks malloc reuses) and
 live torch tensor bytes from the profiler's allocator events (exact, tensors only); the log-prob cases
@@ -289,6 +291,95 @@ def bench_vlm_tokens(out):
         print(f"  {name:<13} {sum(sizes):>8} tokens processed in {len(sizes)} micro-batches, the largest {max(sizes)}")
 
 
+def bench_vlm_update(out, prompts=4, reps=3):
+    """Update + log-prob time of one VLM step, measured side by side (interleaved, medians of `reps`), on the
+    small tiny model (4 layers of 256, a 4-block vision tower; CPU, fp32), for the way the step is cut into
+    micro-batches of 8: step-wide completion padding (the previous round), TRL's (per micro-batch, group
+    order), length-sorted (today's default) and --shared_prefix. The workload is bench_vlm_tokens' shape at
+    a quarter of its size: images of 64-320 tokens, 12-75 text tokens, completions lognormal around 48
+    tokens within 16-256, G = 8. One update = a forward and backward of every micro-batch (gradient
+    checkpointing on, GRPO loss) plus a no-grad forward of each (the old log-probs)."""
+    import random
+    import types
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    import data
+    import rollout
+    import tiny
+    import train
+    from model import load_model
+    model_dir, _, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")
+    args = train.parse_args(["--per_device_train_batch_size", "8", "--max_pixels", str(320 * 28 * 28),
+                             "--min_pixels", str(56 * 56), "--max_prompt_length", "1024"])
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)
+    model = load_model(model_dir, args, torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
+    allowed = [i for i in range(len(processor.tokenizer)) if i not in set(banned)]
+    rng = random.Random(0)
+    words = [w for w in processor.tokenizer.get_vocab() if w.isalpha()][:500]
+    groups = []
+    for k in range(prompts):
+        side = lambda: 28 * rng.randint(8, 17)   # noqa: E731  (an image of 64-289 merged tokens)
+        image = Image.fromarray(np.random.default_rng(k).integers(0, 255, (side(), side(), 3), dtype=np.uint8))
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(12, 75)))
+        sample = data.prepare({"image": image, "question": question, "solution": "x", "_where": f"bench:{k}"}, processor, args)
+        comps = [[rng.choice(allowed) for _ in range(min(256, max(16, int(rng.lognormvariate(3.87, 0.8)))))] for _ in range(G)]
+        groups.append(types.SimpleNamespace(sample=sample, token_ids=comps, sampler_logps=[[0.0] * len(c) for c in comps],
+                                            advantages=[rng.choice([1.0, -1.0]) for _ in comps]))
+    pad = processor.tokenizer.pad_token_id
+    longest = max(len(c) for g in groups for c in g.token_ids)
+
+    def padded(gs, width):   # the same groups with each completion padded to width(group index) by pad tokens
+        return [types.SimpleNamespace(**{**vars(g), "token_ids": [c + [pad] * (width(i, c) - len(c)) for c in g.token_ids]})
+                for i, g in enumerate(gs)]
+    ways = {"step_wide": (padded(groups, lambda i, c: longest), []),
+            "trl": (padded(groups, lambda i, c: max(len(x) for x in groups[i].token_ids)), []),
+            "sorted": (groups, []), "shared_prefix": (groups, ["--shared_prefix"])}
+    batches = {}
+    for name, (gs, flags) in ways.items():
+        a = train.parse_args(["--per_device_train_batch_size", "8", *flags])
+        run = types.SimpleNamespace(args=a, pad_id=pad, banned=banned, device=torch.device("cpu"), rank=0)
+        if name in ("step_wide", "trl"):   # group order, as they cut it: a micro-batch of 8 is a group
+            batches[name] = [train.micro_batches(run, [g])[0] for g in gs]
+        else:
+            batches[name] = train.micro_batches(run, gs)
+
+    def step(name):
+        t0 = time.perf_counter()
+        for b in batches[name]:
+            with torch.no_grad():
+                model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
+            ts = model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
+            (-(ts.logps * b["inputs"]["completion_mask"]).sum() * 1e-3).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+    step("sorted")   # warm-up
+    times = {name: [] for name in ways}
+    for r in range(reps):
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            times[name].append(step(name))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    tokens = {name: sum(b["inputs"]["input_ids"].numel() for b in bs) for name, bs in batches.items()}
+
+    def largest(name):   # forward + backward of the path's largest micro-batch: the update's activation peak
+        b = max(batches[name], key=lambda b: b["inputs"]["input_ids"].numel())
+        ts = model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
+        (-(ts.logps * b["inputs"]["completion_mask"]).sum() * 1e-3).backward()
+        model.zero_grad(set_to_none=True)
+    peak = {name: tensor_peak(lambda: largest(name)) for name in ways}
+    out.update(vlm_update_time_ratio=med["shared_prefix"] / med["step_wide"], vlm_trl_time_ratio=med["shared_prefix"] / med["trl"],
+               vlm_sorted_time_ratio=med["sorted"] / med["step_wide"], vlm_update_seconds=med, vlm_update_tokens=tokens,
+               vlm_activation_peak_bytes=peak, vlm_measured_activation_ratio=peak["shared_prefix"] / peak["step_wide"])
+    print(f"\nVLM update + log-probs, small tiny model, {prompts} prompts x {G} (median of {reps}):")
+    for name in ways:
+        print(f"  {name:<13} {med[name]:7.2f} s  {tokens[name]:>7} tokens  peak activations {peak[name] / MB:7.1f} MB")
+
+
 def main():
     rows, out = [], {}
     bench_logprobs(rows, out)  # first: before vLLM pins this process's threads and NUMA memory
@@ -296,6 +387,7 @@ def main():
     bench_rollout(args, llm, processor, samples, rows, out)
     bench_sync(llm, model, rows, out)
     bench_vlm_tokens(out)
+    bench_vlm_update(out)
     out["phases"] = {name: {"median_s": t, "peak_extra_rss_mb": r, "peak_extra_tensor_mb": x} for name, t, r, x in rows}
     out.update(targets=TARGETS, config=dict(prompts=PROMPTS, generations=G, max_tokens=MAX_TOKENS, reps=REPS,
                                             logprob_tokens=T, logprob_hidden=H, vocab=V))

@@ -402,7 +402,8 @@ def micro_batches(run, groups):
     """The rollout batch as micro-batches of per_device_train_batch_size sequences (or, with
     --micro_batch_tokens, as many as fit the budget), sorted by length so that similar lengths share
     one, each padded to its own longest prompt and completion (not the step's: one long answer no
-    longer widens every micro-batch). Under ZeRO-3 every rank must make the same number of forward
+    longer widens every micro-batch); with --shared_prefix, groups sorted by length, each group (or its
+    part in a micro-batch) one row with its prompt once (data.collate_prefix). Under ZeRO-3 every rank must make the same number of forward
     and lm_head calls (each gathers parameters): a rank with fewer budget micro-batches splits its
     largest, the count is checked here, before it could hang, and each micro-batch takes the most
     log-prob chunks any rank needs for its position (grpo.token_logps splits fewer tokens as many times)."""
