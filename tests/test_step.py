@@ -568,13 +568,14 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
-def test_shared_prefix_forward_equals_the_standard_one(arch):
+@pytest.mark.parametrize("arch,loss", [("qwen2_5_vl", "token"), ("qwen3_vl", "token"), ("qwen2_5_vl", "sequence"),
+                                       ("qwen2_5_vl", "dr_grpo"), ("qwen3_vl", "gspo")])
+def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
     """--shared_prefix (data.collate_prefix + model.logps_forward): a micro-batch of a whole group of 4, a
     part of a group (2) and a text-only group (2), each row its prompt once under a 4-D mask with the
     positions of separate sequences (M-RoPE for the image), gives the standard path's log-probs and, for
-    a GRPO loss, its gradients to fp32 rounding, with gradient checkpointing on; the vision tower encodes
-    2 images, not 6."""
+    each loss variant (token, sequence and Dr. GRPO aggregation, GSPO's sequence ratio), its gradients to
+    fp32 rounding, with gradient checkpointing on; the vision tower encodes 2 images, not 6."""
     from transformers import AutoProcessor
 
     from conftest import tiny_of
@@ -600,9 +601,11 @@ def test_shared_prefix_forward_equals_the_standard_one(arch):
     for name, batch in batches.items():
         model.zero_grad()
         logps = model(**batch, banned=banned, chunks=3).logps
-        loss, _ = grpo.grpo_loss(logps, logps.detach() + 0.01, adv, batch["completion_mask"], beta=0.04,
-                                 ref_logps=logps.detach() - 0.1)
-        loss.backward()
+        variant = dict(loss_agg=loss, norm=8 * 5) if loss in ("sequence", "dr_grpo") else \
+            dict(importance_sampling_level="sequence") if loss == "gspo" else {}
+        value, _ = grpo.grpo_loss(logps, logps.detach() + 0.01, adv, batch["completion_mask"], beta=0.04,
+                                  ref_logps=logps.detach() - 0.1, **variant)
+        value.backward()
         out[name] = logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     (a, ga), (b, gb) = out["standard"], out["prefix"]
     assert batches["prefix"]["input_ids"].shape[0] == 3 and a.shape == b.shape == (8, 5)
