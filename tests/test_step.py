@@ -669,7 +669,7 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False).last_hidden_state
         plain = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], banned=banned).logps
-    assert torch.equal(logps.detach(), plain)
+    assert torch.equal(logps.detach(), plain.masked_fill(batch["completion_mask"] == 0, 0.0))   # outside a completion: 0
     (logps * batch["completion_mask"]).sum().backward()
     grads = [p.grad for p in model.parameters() if id(p) in visual]
     assert all(g is not None and not g.any() for g in grads)   # every vision parameter: in the graph, unchanged
