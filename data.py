@@ -283,11 +283,14 @@ def collate(samples, completions, pad_id, banned):
         ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long))  # control tokens: out of input and loss
         ids[i, T - n:] = torch.where(ok, c, torch.tensor(pad_id))
         cmask[i, C - n:] = ok.float()
-    batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask)
-    if any("pixel_values" in s["hf"] for s in samples):
-        batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s in samples if "pixel_values" in s["hf"]])
-        batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s in samples if "image_grid_thw" in s["hf"]])
-    return batch
+    return dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask, **images_of(samples))
+
+
+def images_of(samples):
+    """The samples' images as one batch's model inputs (pixel_values, image_grid_thw), in order; {} for text only."""
+    if not any("pixel_values" in s["hf"] for s in samples):
+        return {}
+    return {k: torch.cat([s["hf"][k] for s in samples if k in s["hf"]]) for k in ("pixel_values", "image_grid_thw")}
 
 
 def collate_prefix(parts, pad_id, banned):
@@ -330,9 +333,5 @@ def collate_prefix(parts, pad_id, banned):
                 targets[n, C - k:], cmask[n, C - k:] = ids[r, at:at + k], ok.float()
                 offset[r, at:at + k] = torch.arange(1, k + 1)
             at, n = at + k, n + 1
-    batch = dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask,
-                 prompt_mask=prompt, offset=offset, targets=targets, index=index)
-    if any("pixel_values" in s["hf"] for s, _ in parts):
-        batch["pixel_values"] = torch.cat([s["hf"]["pixel_values"] for s, _ in parts if "pixel_values" in s["hf"]])
-        batch["image_grid_thw"] = torch.cat([s["hf"]["image_grid_thw"] for s, _ in parts if "image_grid_thw" in s["hf"]])
-    return batch
+    return dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask,
+                prompt_mask=prompt, offset=offset, targets=targets, index=index, **images_of([s for s, _ in parts]))

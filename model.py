@@ -122,8 +122,8 @@ def prefix_positions(hf_model, input_ids, prompt_mask, offset, mm):
     get_rope_index over the prompt tokens alone: M-RoPE for its image), and each completion token the
     prompt's last position + its place in its completion, exactly as in a sequence of the prompt and that
     completion alone."""
-    kw = {k: mm[k] for k in ("image_grid_thw",) if k in mm}
-    rope, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=mm["mm_token_type_ids"], attention_mask=prompt_mask.long(), **kw)
+    rope, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=mm["mm_token_type_ids"], attention_mask=prompt_mask.long(),
+                                      image_grid_thw=mm.get("image_grid_thw"))
     last = rope.masked_fill(~prompt_mask, -1).amax(dim=(0, 2), keepdim=True)                  # (1, R, 1)
     return torch.where(prompt_mask, rope, last + offset).masked_fill((offset == 0) & ~prompt_mask, 1)
 

@@ -287,7 +287,7 @@ def plan(args, cluster, s=None):
     # a micro-batch's padded tokens: mb sequences at full length, or the token budget (one longer sequence
     # goes alone), holding at most as many images as sequences of an image and a token fit it
     tokens = max(args.micro_batch_tokens, seq) if args.micro_batch_tokens else mb * seq
-    images = min(tokens // (image_tokens + 1), tokens) * image_tokens if args.micro_batch_tokens else mb * image_tokens
+    images = tokens // (image_tokens + 1) * image_tokens if args.micro_batch_tokens else mb * image_tokens
     if args.shared_prefix:   # a row per group in the micro-batch (one more where a group is cut): each prompt once
         rows = min(mb, -(-mb // args.num_generations) + (mb % args.num_generations != 0))
         tokens, images = rows * args.max_prompt_length + mb * args.max_completion_length, rows * image_tokens

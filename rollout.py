@@ -185,6 +185,11 @@ def sync_units(model):
     return units
 
 
+def _nbytes(named):
+    """Bytes of (name, param) pairs at full size (a ZeRO-3 partitioned param counts whole: ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in named)
+
+
 def sync_buckets(model, bucket_mb, changed_only=False):
     """Group parameters into buckets of whole decoder layers / vision blocks, <= bucket_mb each.
 
@@ -195,7 +200,7 @@ def sync_buckets(model, bucket_mb, changed_only=False):
     units = {k: u for k, u in sync_units(model).items() if not changed_only or any(p.requires_grad for _, p in u)}
     budget, buckets, cur, cur_bytes = bucket_mb << 20, [], [], 0
     for key in units:
-        nbytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in units[key])
+        nbytes = _nbytes(units[key])
         if cur and cur_bytes + nbytes > budget:
             buckets.append(cur)
             cur, cur_bytes = [], 0
@@ -218,7 +223,7 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=Fal
     Returns (the largest bucket, all buckets) in bytes."""
     import deepspeed
     buckets = sync_buckets(model, bucket_mb, changed_only)
-    sizes = [sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in b) for b in buckets]
+    sizes = [_nbytes(b) for b in buckets]
 
     # a PeftModel's LoRA layers, merged into their base weights (merge=False: the base alone, vLLM applies the adapter)
     lora = lora_layers(model) if merge else {}
