@@ -391,7 +391,7 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
 
 
 def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypatch):
-    """score keeps each sample's last rewards by its stable id (its row in the data); the README's
+    """score keeps each sample's last rewards by its stable id (its row in the data); select_prompts' docstring's
     curriculum, pasted into select_prompts, then rolls out only the prompts not yet solved."""
     run, samples = make_run(parts, tmp_path)
     assert [s["id"] for s in samples] == [0, 1, 2, 3]       # data.Rows: the row in the source
@@ -402,7 +402,7 @@ def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypa
     solved = {0, 2}
     run.stream.history.update({i: [1.0] * G for i in solved})   # as if every generation had been right
 
-    def curriculum(run, step):   # README, "A paper change in one place"
+    def curriculum(run, step):   # train.select_prompts' docstring (README: "A paper change in one place")
         out = []
         while len(out) < run.per_rank:
             s = run.stream.next(1)[0]
