@@ -94,6 +94,16 @@ CPU = dict(runtime_gb=0.77, weights_copies=4.0, zero_copies=5.4, ref_leftover=0.
 # On a GPU a rank's host runtime also holds the CUDA context and its pinned staging: a cautious
 # guess, unmeasured here, until `make gpu-check` measures it.
 CUDA_CONTEXT_GB = 3.0
+# The GPU memory of a rank outside torch's and vLLM's pools, in every phase (unmeasured here: `make
+# gpu-check` measures it): the process's CUDA context and loaded kernels, NCCL's buffers per
+# communicator (the trainer's world group; vLLM's tensor-parallel group at TP > 1: NCCL_BUFFSIZE 4 MiB
+# per channel and peer), cuBLAS/cuDNN workspaces. vLLM's own request (gpu_worker.determine_available_memory)
+# is util x the device; inside it: the weights, the non-torch memory its profiler sees grow at start
+# (0.15 GiB in a public 72B log, vllm-project/vllm#17117), the activation peak of its start-up profile
+# run (vllm_profile_bytes), CUDA graphs (profile_cudagraph_memory; a cautious 1 GB unless eager),
+# and the KV cache is the rest.
+GPU_RESIDUAL = dict(context_gb=0.6, nccl_gb=0.3, workspace_gb=0.1)
+VLLM_GPU = dict(non_torch_gb=0.15, cudagraph_gb=1.0)
 MARGIN = 0.95   # fraction of a GPU's memory a plan may fill (fragmentation, NCCL, ...)
 # fraction of a node's RAM a plan may fill: the kernel, page cache, other processes, and the OOM killer
 # acts before 100% (a node is lost, not a rank). On the CPU stack the plan is against the RAM free at launch.
@@ -219,6 +229,23 @@ def linear_state_bytes(s, p, tp):
     return (st["conv_elems"] * p + st["ssm_elems"] * (4 if st["ssm_fp32"] else p)) / tp if st else 0
 
 
+def vllm_profile_bytes(s, p, tp, tokens, seqs):
+    """The activation peak of vLLM's start-up profile run on one GPU (gpu_model_runner.profile_run), which
+    determine_available_memory takes out of the KV cache: a forward of `tokens` dummy tokens (no autograd:
+    the residual and hidden states and one MLP's gate/up and activation outputs at a time), the sampler's
+    fp32 logits and processed log-probs for `seqs` sequences, or the vision tower on as many patches."""
+    text = tokens * p * (2 * s["h"] + 3 * s["I"] / tp)
+    sampler = seqs * s["V"] * 4 * 2
+    vision = tokens * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"] / tp)
+    return max(text, sampler, vision)
+
+
+def vllm_batched_tokens(cluster):
+    """vLLM's default max_num_batched_tokens for the LLM class (EngineArgs.get_batch_defaults): 16,384 on a
+    GPU of 70 GB or more (A100s excepted: 8,192, which the cluster does not say; the larger is planned)."""
+    return 16384 if cluster.gpu_gb >= 70 else 8192
+
+
 # ----------------------------------------------------------------------------- the plan
 @dataclasses.dataclass
 class Cluster:
@@ -334,6 +361,9 @@ def plan(args, cluster, s=None):
             if k in moved:
                 add("host", f"offload_states pinned {k}", v * ranks, TRAINER)
     add("host", "rank runtime + CUDA context", (CPU["runtime_gb"] + CUDA_CONTEXT_GB) * GB * ranks)
+    comms = 1 + (args.vllm_tensor_parallel_size > 1)
+    add("gpu", "CUDA context, NCCL, workspaces",
+        (GPU_RESIDUAL["context_gb"] + comms * GPU_RESIDUAL["nccl_gb"] + GPU_RESIDUAL["workspace_gb"]) * GB)
     # ZeRO-3 keeps up to stage3_max_live_parameters gathered (ds_zero3.json: 1e9), at least the largest layer
     live = cfg.get("zero_optimization", {}).get("stage3_max_live_parameters", 10 ** 9)
     add("gpu", "gathered params (ZeRO-3 live)", max(ds["largest_layer_memory"], min(live, s["n"]) * p),
@@ -353,6 +383,13 @@ def plan(args, cluster, s=None):
         PHASES if args.sleep_level == 0 else ("vllm_start", "rollout", "validation"))
     if args.sleep_level > 0:
         add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
+    max_seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
+    graphs = 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
+    profile = vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), max_seqs)
+    if args.sleep_level > 0 and graphs:   # the woken weights bring the "runtime" and "cudagraph" tags back
+        add("gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
+        # both levels copy those tags into pinned blocks while vLLM sleeps (20 MiB segments, 32 MiB blocks)
+        add("host", "vLLM CUDA graphs sleep copy (pinned)", math.ceil(graphs / (20 * MiB)) * 32 * MiB * ranks, TRAINER)
     if args.sleep_level == 1:
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
             TRAINER)
@@ -363,8 +400,10 @@ def plan(args, cluster, s=None):
     add("host", "final model export (rank 0)", trains * p if args.use_peft else weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
     need = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
-    seqs = args.rollout_batch_size // world * tp * args.num_generations   # each holds its linear-attention state
-    room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp - GB   # ~1 GB: profile, graphs
+    seqs = max_seqs   # each holds its linear-attention state
+    # vLLM's KV cache: its request minus weights, non-torch growth, the profile's peak and CUDA graphs
+    room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp - VLLM_GPU["non_torch_gb"] * GB \
+        - profile - graphs
     notes = [] if saves else [NO_SAVE]
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
@@ -375,7 +414,8 @@ def plan(args, cluster, s=None):
                      f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
             "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb,
-            "vllm_room": room, "vllm_weights": weights / tp}
+            "vllm_room": room, "vllm_weights": weights / tp, "vllm_overhead": room - (
+                args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp)}
 
 
 def peaks(pl):
@@ -399,7 +439,7 @@ def verdict(pl, cluster):
                          f"GB usable, {HOST_MARGIN:.0%} of {cluster.host_gb:g})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
-        need = (pl["vllm_weights"] + GB) / (cluster.gpu_gb * GB)
+        need = (pl["vllm_weights"] - pl["vllm_overhead"] + GB) / (cluster.gpu_gb * GB)
         lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
                      f"GPU; --vllm_gpu_memory_utilization {need:.2f} at least (with --sleep_level 1 or 2 for the update)")
     return fits, lines
@@ -479,7 +519,7 @@ def render(pl, cluster, ranked=None, terms=True):
         for place in ("gpu", "host") if terms else ():
             for k, v in sorted(t[place].items(), key=lambda kv: -kv[1]):
                 if v >= 0.05 * GB or (not cluster.cuda and v >= 0.005 * GB):
-                    lines.append(f"      {place:<4} {k:<36}{v / GB:8.2f}")
+                    lines.append(f"      {place:<4} {k:<54}{v / GB:8.2f}")
     fits, why = verdict(pl, cluster)
     lines += [f"[plan] verdict: {'fits' if fits else 'does not fit'}"] + why + [f"  note: {n}" for n in pl["notes"]]
     if ranked:
