@@ -69,19 +69,19 @@ class Box:
         seqs = [s for s in self.samples for _ in range(2)]
         self.batch = data.collate(seqs, [[5, 6, 7]] * len(seqs), self.processor.tokenizer.pad_token_id, self.banned.tolist())
 
-    def engine(self, *flags, bf16=True):
-        """A ZeRO-3 engine built exactly as train.setup builds it, with these flags."""
+    def engine(self, *flags, bf16=True, model=None):
+        """A ZeRO-3 engine built exactly as train.setup builds it, with these flags (of `model`, default self.model)."""
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
         import train
-        args = train.parse_args(["--model", self.model, "--per_device_train_batch_size", "4", "--rollout_batch_size", "2",
+        args = train.parse_args(["--model", model or self.model, "--per_device_train_batch_size", "4", "--rollout_batch_size", "2",
                                  "--num_generations", "2", *flags])
         gas = train.grad_accumulation_steps(args, 1)
         cfg = policy_model.ds_config(args, gas, 1, bf16=bf16)
         policy_model.check_fused_adam(cfg)
         keep = HfDeepSpeedConfig(cfg)
-        model = policy_model.load_model(self.model, args, torch.bfloat16 if bf16 else torch.float32)
+        model = policy_model.load_model(args.model, args, torch.bfloat16 if bf16 else torch.float32)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                           lr_scheduler=policy_model.lr_schedule(args))
         engine._keep_config = keep
@@ -124,13 +124,17 @@ def zero3_bf16_steps(box):
 @item
 def offload_states_two_steps_and_after_resume(box):
     """--offload_optimizer --offload_model: the states leave the GPU and come back, twice, and again
-    after a checkpoint is saved and loaded into a fresh engine (the offload buffers stay off it)."""
+    after a checkpoint is saved and loaded into a fresh engine (the offload buffers stay off it). On the
+    embedded default this runs the 100M model of the same family and tokenizer (~1.8 GB of states): the
+    tiny model's states are below the device's 2 MiB granularity, where freed amounts compare nothing."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
     import checkpoint
     import memory
+    import tiny
+    big = box.model if box.model != tiny.ensure_default()[0] else tiny.ensure_default(size="100m")[0]
     kinds = [S.optim_states, S.hp_params, S.lp_grads, S.lp_params]
-    engine, args, _ = box.engine("--offload_optimizer", "--offload_model")
+    engine, args, _ = box.engine("--offload_optimizer", "--offload_model", model=big)
     include = kinds + [S.contiguous_grad_buffer]
     figures = {}
     for k in range(2):
@@ -151,7 +155,7 @@ def offload_states_two_steps_and_after_resume(box):
     path = checkpoint.save_checkpoint(engine, ck_args, 2, stream, "gpu-check", 0)
     del engine
     torch.cuda.empty_cache()
-    fresh, _, _ = box.engine("--offload_optimizer", "--offload_model")
+    fresh, _, _ = box.engine("--offload_optimizer", "--offload_model", model=big)
     fresh.load_checkpoint(path, tag="zero")
     dropped = checkpoint.drop_offload_buffers(fresh)
     before = device_gb()
@@ -166,6 +170,7 @@ def offload_states_two_steps_and_after_resume(box):
         v.device.type == "cpu" for st, k in checkpoint.offload_buffers(fresh) for v in [st[k]])
     figures["after_resume"] = {"device_gb_before": before, "device_gb_offloaded": after, "freed_gb": before - after,
                                "buffers_dropped_after_load": dropped}
+    assert figures["step1"]["freed_gb"] > 0.5, figures   # 100M x 18 B; a real --model frees more
     assert figures["after_resume"]["freed_gb"] > 0.5 * figures["step1"]["freed_gb"], figures
     return figures
 
@@ -211,6 +216,56 @@ def planner_next_to_measured(box):
 
 
 # ----------------------------------------------------------------------------- items with vLLM
+def free_port():
+    import socket
+    with socket.socket() as sock:   # a child's own torch.distributed port
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PRODUCTION = ["--bf16", "--sleep_level", "1", "--zero_offload", "none", "--offload_optimizer", "--offload_model",
+              "--max_steps", "2", "--save_steps", "0", "--no-save_final_model", "--val_freq", "0", "--report_to", "none"]
+
+
+def plan_vs_measured(pl, row):
+    """Each phase of the plan next to what a step measured in the same phase (metrics.jsonl's
+    mem/<phase>/...: the device's memory, torch's peak without vLLM's pool, the pinned host memory,
+    the host RSS peak), for the phases a step records (not vllm_start and load, which run once)."""
+    import planner
+    out = {}
+    for ph, (gpu, host) in planner.peaks(pl).items():
+        got = {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith(f"mem/{ph}/")}
+        if got:
+            out[ph] = {"plan_gpu_gb": gpu / GB, "plan_host_gb": host / GB, **{k: got.get(k) for k in (
+                "gpu_device_gb", "gpu_peak_gb", "gpu_vllm_gb", "host_pinned_gb", "host_peak_gb")}}
+    return out
+
+
+@item
+def production_cycle(box):
+    """The cycle train.py runs, once, under the deepspeed launcher on this GPU: ZeRO-3 gather -> bucketed
+    sync -> sleep level 1 / wake with offload_states of the optimizer and the model, two steps of the
+    embedded default (whatever --model says); each phase's measured device and pinned-host memory
+    beside the plan's for the same flags."""
+    need_vllm()
+    import subprocess
+
+    import planner
+    import tiny
+    import train
+    run_dir = os.path.join(box.out, "production")
+    r = subprocess.run(["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "train.py",
+                        "--output_dir", run_dir, *PRODUCTION], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError((r.stdout + r.stderr)[-3000:])
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    args = train.parse_args(PRODUCTION)
+    args.model = tiny.ensure_default()[0]
+    import psutil
+    cluster = planner.Cluster(1, 1, torch.cuda.get_device_properties(0).total_memory / GB, psutil.virtual_memory().total / GB)
+    return {"steps": len(rows), "phases": plan_vs_measured(planner.plan(args, cluster), rows[-1])}
+
+
 def need_vllm():
     try:
         import vllm  # noqa: F401
@@ -228,12 +283,8 @@ def vllm_sleep_levels(box):
     out = {}
     for level, dtype in ((1, "float32"), (2, "float32"), (2, "bfloat16")):
         path = os.path.join(box.out, f"vllm_level{level}_{dtype}.json")
-        import socket
-        with socket.socket() as sock:   # the child's own torch.distributed port
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         r = subprocess.run([sys.executable, __file__, "--vllm_case", str(level), dtype, "--out", box.out, "--model", box.model],
-                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(port)))
+                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port())))
         if r.returncode != 0:
             raise RuntimeError(f"level {level} {dtype}: {(r.stdout + r.stderr)[-2000:]}")
         out[f"level{level}_{dtype}"] = json.load(open(path))
@@ -302,26 +353,32 @@ def main(argv=None):
         level, dtype = int(a.vllm_case[0]), a.vllm_case[1]
         json.dump(vllm_case(box, level, dtype), open(os.path.join(a.out, f"vllm_level{level}_{dtype}.json"), "w"))
         return 0
+    failed = run_items({k: v for k, v in ITEMS.items() if not a.only or k in a.only}, box, report, a.out)
+    print(f"[gpu-check] report: {os.path.join(a.out, 'report.json')}")
+    return 1 if failed else 0
+
+
+def run_items(items, box, report, out):
+    """Each item once, its pass/fail/skip line printed and report.json rewritten after it. A failing item,
+    SystemExit included (check_fused_adam exits with advice when FusedAdam will not build), is one
+    failed line, not the end of the check. -> the number that failed."""
     failed = 0
-    for name, fn in ITEMS.items():
-        if a.only and name not in a.only:
-            continue
+    for name, fn in items.items():
         t0 = time.time()
         try:
             figures = fn(box)
             entry = {"status": "pass", "figures": figures}
         except Skip as e:
             entry = {"status": "skipped", "why": str(e)}
-        except Exception as e:   # one failing item must not hide the others
+        except (Exception, SystemExit) as e:   # one failing item must not hide the others
             failed += 1
             entry = {"status": "fail", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         entry["seconds"] = round(time.time() - t0, 1)
         report["items"][name] = entry
         print(f"[gpu-check] {entry['status']:<7} {name} ({entry['seconds']} s)"
               + (f": {entry.get('error') or entry.get('why')}" if entry["status"] != "pass" else ""), flush=True)
-        json.dump(report, open(os.path.join(a.out, "report.json"), "w"), indent=1, default=str)
-    print(f"[gpu-check] report: {os.path.join(a.out, 'report.json')}")
-    return 1 if failed else 0
+        json.dump(report, open(os.path.join(out, "report.json"), "w"), indent=1, default=str)
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """memory.py: OOM detection and diagnosis, and the per-phase measurements (the plan: test_planner.py)."""
 import errno
+import json
 import types
 
 import pytest
@@ -159,3 +160,46 @@ def test_phase_peak_rss_sees_transients_and_nested_phases():
         pytest.skip("no /proc/self/status here")
     assert log["mem/outer/host_peak_gb"] - log["mem/inner/host_peak_gb"] > 0.15   # the freed 200 MB still counts
     assert log["mem/outer/host_peak_gb"] >= log["mem/outer/host_rss_gb"]
+
+
+def test_gpu_check_survives_an_item_that_exits(tmp_path):
+    """make gpu-check: check_fused_adam exits (SystemExit, with advice) when FusedAdam will not build; that
+    is one failed item, and the items after it still run (it escaped `except Exception` and ended the check)."""
+    import gpu_check
+    ran = []
+
+    def exits(box):
+        raise SystemExit("error: FusedAdam did not build")
+
+    def passes(box):
+        ran.append(box)
+        return {"ok": 1}
+    report = {"items": {}}
+    assert gpu_check.run_items({"fused_adam": exits, "next": passes}, "box", report, str(tmp_path)) == 1
+    saved = json.load(open(tmp_path / "report.json"))["items"]
+    assert ran == ["box"] and saved["next"]["status"] == "pass"
+    assert saved["fused_adam"]["status"] == "fail" and "FusedAdam did not build" in saved["fused_adam"]["error"]
+
+
+def test_gpu_check_production_cycle_sets_the_plan_beside_each_measured_phase():
+    """gpu_check.production_cycle runs train.py's own cycle (sleep level 1, offload during rollouts) and
+    pairs each phase a step measures (metrics.jsonl's mem/<phase>/...) with the plan's phase of the same
+    name: every phase the plan has after load is one train.py records, and its flags are valid."""
+    import inspect
+
+    import flags
+    import gpu_check
+    import planner
+    import train
+    src = inspect.getsource(train)
+    assert all(f'memory.phase("{ph}"' in src for ph in planner.TRAINER if ph != "load")
+    args = train.parse_args(gpu_check.PRODUCTION)
+    flags.check_args(args, 1)
+    args.model = "qwen2.5-vl-3b"   # the shape only: the pairing is the same for any model
+    pl = planner.plan(args, planner.Cluster(1, 1, 80, 256, cuda=True))
+    row = {"mem/update/gpu_device_gb": 12.0, "mem/update/host_pinned_gb": 3.0, "mem/sync/gpu_device_gb": 9.0,
+           "mem/reward/host_peak_gb": 1.0, "train/loss": 0.1}
+    out = gpu_check.plan_vs_measured(pl, row)
+    assert set(out) == {"update", "sync"}
+    assert out["update"]["gpu_device_gb"] == 12.0 and out["update"]["host_pinned_gb"] == 3.0
+    assert out["update"]["plan_gpu_gb"] == planner.peaks(pl)["update"][0] / planner.GB
