@@ -96,6 +96,7 @@ def build_parser():
     p.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
     p.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
     p.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
+    p.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
     p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
     p.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
     # run
@@ -142,7 +143,16 @@ def parse_args(argv=None):
         p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": grid ** 2, "max_pixels": (2 * grid) ** 2,
                           **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
+    args.explicit = explicit(argv)
     return args
+
+
+def explicit(argv):
+    """The dests of the flags given on the command line (argv), defaults left out: what --memory auto keeps."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(parser.parse_args(argv)))
 
 
 def micro_batch(args, world):

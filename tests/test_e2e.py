@@ -64,7 +64,7 @@ def test_demo_learns(tmp_path, tiny_default):
      "--zero_offload", "none"],
     # vLLM tensor parallel across both ranks: one engine shard per rank, the same requests on each; each
     # group's prompt and image encoded once in the policy's and the reference's forward
-    ["--vllm_tensor_parallel_size", "2", "--shared_prefix"],
+    ["--vllm_tensor_parallel_size", "2", "--shared_prefix", "--memory", "auto"],
     # LoRA with the adapter alone sent to vLLM each step, the reference as the adapter switched off
     ["--use_peft", "--lora_sync", "adapter", "--lora_r", "8", "--freeze_vision_tower", "--num_iterations", "2"],
 ], ids=["levers", "switches", "vllm_tp2", "lora_adapter"])
@@ -82,6 +82,8 @@ def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
         assert all(r["train/kl"] == 0.0 for r in train_rows)
     if "--use_peft" in flags:
         assert train_rows[-1]["train/kl"] > 0   # the base with the adapter off is the reference
+    if "--memory" in flags:   # on CPU the plan picks the micro-batch and checkpointing; the TP given is kept
+        assert "kept as given: --vllm_tensor_parallel_size" in log and "--no-gradient_checkpointing" in log, log[-3000:]
 
 
 def test_grounding_prior_writes_only_the_four_boxes():

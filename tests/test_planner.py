@@ -356,3 +356,105 @@ def test_shared_prefix_counts_each_prompt_once_in_the_update():
     one = lambda tokens, images: tokens * a["text_token"] + images * a["image_token"] + max(  # noqa: E731
         tokens * a["text_recompute"], images * a["image_recompute"])
     assert act["standard"] == one(8 * 5120, 8 * 1280) and act["prefix"] == one(4096 + 8 * 1024, 1280)
+
+
+# ----------------------------------------------------------------------------- --memory auto
+def auto(flags, cluster, model="qwen2.5-vl-7b"):
+    args = train.parse_args(["--model", model, "--bf16", *flags])
+    return args, planner.choose(args, cluster, planner.model_shape(model))
+
+
+def test_the_step_time_model_charges_every_lever():
+    """planner.step_seconds: each lever that saves memory costs time, in the order the issue asks the
+    choice to try them: no offload < sleep level 2 < level 1; during-rollout offload < static optimizer
+    offload < static offload of everything; checkpointing and a smaller micro-batch cost; a larger vLLM
+    share costs nothing more (fewer waves when the rollout needs them)."""
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
+    s = planner.model_shape("qwen2.5-vl-7b")
+    base = ["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none", "--no-gradient_checkpointing", "--no-ref_offload",
+            "--rollout_batch_size", "64", "--per_device_train_batch_size", "8"]
+    t = lambda *extra: sum(planner.step_seconds(train.parse_args(base + list(extra)), cluster, s).values())  # noqa: E731
+    assert t() < t("--sleep_level", "2") < t("--sleep_level", "1")
+    assert t() < t("--offload_model") < t("--offload_model", "--offload_optimizer") < t("--zero_offload", "optimizer") \
+        < t("--zero_offload", "all")
+    assert t() < t("--gradient_checkpointing") and t() < t("--per_device_train_batch_size", "2") and t() < t("--ref_offload")
+    assert t("--vllm_gpu_memory_utilization", "0.8") <= t("--vllm_gpu_memory_utilization", "0.3")
+
+
+@pytest.mark.parametrize("case", ["8x80", "1x80", "1x48_3b", "1x24_lora", "1x24_full", "small_host"])
+def test_memory_auto_picks_the_fastest_set_up_that_fits(case):
+    """--memory auto on made-up clusters: the choice fits, nothing estimated faster fits (every faster
+    candidate was planned and refused), and it uses no offload where memory allows."""
+    C = planner.Cluster
+    flags, cluster, model = {
+        "8x80": (["--rollout_batch_size", "64"], C(8, 1, 80, 1024), "qwen2.5-vl-7b"),
+        "1x80": (["--rollout_batch_size", "8"], C(1, 1, 80, 256), "qwen2.5-vl-7b"),
+        "1x48_3b": (["--rollout_batch_size", "8"], C(1, 1, 48, 128), "qwen2.5-vl-3b"),
+        "1x24_lora": (["--rollout_batch_size", "8", "--use_peft"], C(1, 1, 24, 128), "qwen2.5-vl-7b"),
+        "1x24_full": (["--rollout_batch_size", "8"], C(1, 1, 24, 128), "qwen2.5-vl-7b"),
+        "small_host": (["--rollout_batch_size", "64", "--save_steps", "0", "--no-save_final_model"], C(8, 1, 80, 64), "qwen2.5-vl-7b"),
+    }[case]
+    args, (chosen, pl, rejected) = auto(flags, cluster, model)
+    s = planner.model_shape(model)
+    if case == "1x24_full":   # 8.3B parameters' states do not fit one 24 GB GPU and 128 GB of host in any set-up
+        assert chosen is None and not planner.verdict(pl, cluster)[0]
+        _, text = planner.render_choice(args, cluster, s)
+        assert "no set-up of these levers fits" in text and "--use_peft" in text
+        return
+    assert planner.verdict(pl, cluster)[0]
+    secs = sum(planner.step_seconds(chosen, cluster, s).values())
+    assert all(r_secs <= secs and not planner.verdict(planner.plan(a, cluster, s), cluster)[0] for a, r_secs, _ in rejected)
+    if case in ("8x80", "small_host"):   # room for every state on the GPUs: no offload at all
+        assert chosen.zero_offload == "none" and not chosen.offload_optimizer and not chosen.offload_model
+    if case == "small_host":   # no level-1 pinned copy on a 64 GB host
+        assert chosen.sleep_level != 1
+    manual = sum(planner.step_seconds(args, cluster, s).values())   # ds_zero3.json's static offload of everything
+    assert secs <= manual
+
+
+def test_an_explicit_flag_wins_over_memory_auto():
+    """Flags given on the command line are kept (args.explicit); only the others are chosen."""
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    args, (chosen, _, _) = auto(["--rollout_batch_size", "64", "--sleep_level", "1", "--zero_offload", "optimizer",
+                                 "--no-gradient_checkpointing", "--per_device_train_batch_size", "1"], cluster)
+    assert args.explicit == ["bf16", "gradient_checkpointing", "model", "per_device_train_batch_size", "rollout_batch_size",
+                             "sleep_level", "zero_offload"]
+    assert (chosen.sleep_level, chosen.zero_offload, chosen.gradient_checkpointing, chosen.per_device_train_batch_size) == \
+        (1, "optimizer", False, 1)
+    _, (free, _, _) = auto(["--rollout_batch_size", "64"], cluster)
+    assert (free.sleep_level, free.zero_offload) != (1, "optimizer")
+
+
+def test_memory_auto_prints_its_choice_and_the_run_uses_it(tmp_path, capsys):
+    """`memory.py plan --memory auto ... --png` prints the choice, its step-time terms, the faster set-ups
+    it refused and why, the chosen plan, and draws it; train.py --plan --memory auto on the CPU stack
+    chooses the levers that act there (checkpointing, micro-batch) and decide() hands them to the run."""
+    png = tmp_path / "plan.png"
+    assert planner.main(["--model", "qwen2.5-vl-3b", "--bf16", "--memory", "auto", "--gpus_per_node", "4", "--gpu_gb", "40",
+                         "--host_gb", "512", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "[memory auto]" in out and "the run uses:" in out and "faster set-ups that do not fit" in out
+    assert "[plan] verdict: fits" in out and png.stat().st_size > 10_000
+    import tiny
+    args = train.parse_args(["--memory", "auto"])
+    args.model = tiny.ensure_default()[0]
+    cpu = planner.Cluster(gpus_per_node=1, nodes=1, gpu_gb=0, host_gb=64, cuda=False)
+    chosen = planner.decide(args, cpu)
+    assert chosen.memory == "manual" and chosen.gradient_checkpointing is False and chosen.per_device_train_batch_size == 32
+    assert args.gradient_checkpointing is True   # the tiny default's, which the choice replaced
+
+
+def test_checkpoint_staging_is_one_storage_per_rank():
+    """torch.save copies a CUDA tensor to the host one storage at a time (torch.serialization._save), and
+    ZeRO-3's largest is a rank's fp32 flat partition: the checkpoint phase stages that, not every state
+    (which refused 8 x 80 GB nodes with 256 GB of host for 7B by 150 GB of staging that never happens)."""
+    import inspect
+
+    import torch
+    src = inspect.getsource(torch.serialization._save)
+    assert "for key in serialized_storages" in src and "storage = storage.cpu()" in src
+    cluster = planner.Cluster(8, 1, 80, 256)
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none", "--rollout_batch_size", "64"])
+    s = planner.model_shape("qwen2.5-vl-7b")
+    host = planner.plan(args, cluster, s)["phases"]["checkpoint"]["host"]
+    assert host["checkpoint staging (largest storage per rank)"] == pytest.approx(8 * 4 * s["n"] / 8)
