@@ -104,7 +104,7 @@ CUDA_CONTEXT_GB = 3.0
 # and the KV cache is the rest.
 GPU_RESIDUAL = dict(context_gb=0.6, nccl_gb=0.3, workspace_gb=0.1)
 VLLM_GPU = dict(non_torch_gb=0.15, cudagraph_gb=1.0)
-MARGIN = 0.95   # fraction of a GPU's memory a plan may fill (fragmentation, NCCL, ...)
+MARGIN = 0.9   # fraction of a GPU's memory a plan may fill: fragmentation of torch's caching allocator (VLM-R1 #77, #36: OOM at 91% by this count)
 # fraction of a node's RAM a plan may fill: the kernel, page cache, other processes, and the OOM killer
 # acts before 100% (a node is lost, not a rank). On the CPU stack the plan is against the RAM free at launch.
 HOST_MARGIN = 0.9
