@@ -625,6 +625,23 @@ def lever_flags(a, args=None):
     return " ".join(x for x in out if x)
 
 
+def faster(args, cluster, s):
+    """For a plan that fits: each single change of an AUTO lever that still fits and is estimated faster
+    -> [(flags, seconds saved per step)], largest first (what --plan says besides what saves memory)."""
+    from flags import micro_batch
+    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": micro_batch(
+        args, cluster.gpus_per_node * cluster.nodes), "zero_offload": args.zero_offload or (
+        "none" if args.offload_optimizer or args.offload_model else "all")})   # the defaults as the values they are
+    base, out = sum(step_seconds(args, cluster, s).values()), {}
+    for a in candidates(args, cluster):
+        change = lever_flags(a, args)
+        if change and " --" not in change:   # one lever at a time
+            secs = base - sum(step_seconds(a, cluster, s).values())
+            if secs > 0.05 and secs > out.get(change, 0) and verdict(plan(a, cluster, s), cluster)[0]:
+                out[change] = secs
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
 def render_choice(args, cluster, s=None):
     """--memory auto's table: the choice and its estimated step time by term, the faster set-ups it
     rejected and why, then the chosen plan. -> (args to run with, or None when nothing fits; the text)."""
@@ -738,6 +755,9 @@ def main(argv):
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     print(render(pl, cluster, levers(args, cluster, s, pl)))
+    if verdict(pl, cluster)[0]:
+        print("[plan] faster, and still fits (one lever each; planner.COST's estimate per step):")
+        print("\n".join(f"  {flag:<48} {-secs:+8.1f} s" for flag, secs in faster(args, cluster, s)[:8]) or "  nothing")
     if known.json:
         with open(known.json, "w") as f:
             json.dump({k: v for k, v in pl.items()}, f, indent=1, default=float)

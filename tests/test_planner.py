@@ -525,3 +525,17 @@ def test_the_plan_agrees_with_published_runs(name):
     else:
         fits = planner.verdict(pl, cluster)[0]
     assert fits == reported, (name, source, planner.verdict(pl, cluster)[1])
+
+
+def test_a_plan_that_fits_says_what_would_make_it_faster():
+    """--plan / memory.py plan on a fitting plan lists single lever changes that still fit, by estimated
+    seconds saved: 7B on 8 x 80 GB with ds_zero3.json's static offload of everything is told to drop it."""
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64"])
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    s = planner.model_shape("qwen2.5-vl-7b")
+    assert planner.verdict(planner.plan(args, cluster, s), cluster)[0]
+    out = planner.faster(args, cluster, s)
+    assert out[0][0] == "--zero_offload none" and out[0][1] > 1, out
+    for flag, _ in out:   # each still fits
+        a = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", *flag.split()])
+        assert planner.verdict(planner.plan(a, cluster, s), cluster)[0], flag
