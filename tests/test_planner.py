@@ -539,3 +539,28 @@ def test_a_plan_that_fits_says_what_would_make_it_faster():
     for flag, _ in out:   # each still fits
         a = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", *flag.split()])
         assert planner.verdict(planner.plan(a, cluster, s), cluster)[0], flag
+
+
+@pytest.mark.parametrize("name", ["ms-swift 3B 4x90GB, its seven levers", "EasyR1 7B 8x40GB (hardware table; host assumed 1 TB)",
+                                  "EasyR1 7B 8xH100 baseline (68 GB VRAM, 120 GB host peak)"])
+def test_memory_auto_on_published_set_ups(name):
+    """--memory auto given a published run's set-up minus its memory levers (the experiment's own flags
+    kept: model, batch, lengths, images) finds a set-up that fits, estimated no slower than the levers
+    the run's authors chose by hand."""
+    _, model, flags, cluster, _, _ = PUBLIC[name]
+    by_hand = train.parse_args(["--model", model, "--bf16", *flags])
+    levers = set(planner.AUTO)
+    kept, skip = [], False
+    for f in flags:   # drop the lever flags (and their values)
+        if skip:
+            skip = False
+            continue
+        if f.startswith("--") and f[2:] in levers:
+            skip = not isinstance(getattr(by_hand, f[2:]), bool)
+            continue
+        kept.append(f)
+    args = train.parse_args(["--model", model, "--bf16", *kept])
+    s = planner.model_shape(model)
+    chosen, pl, _ = planner.choose(args, cluster, s)
+    assert chosen is not None and planner.verdict(pl, cluster)[0]
+    assert sum(planner.step_seconds(chosen, cluster, s).values()) <= sum(planner.step_seconds(by_hand, cluster, s).values())
