@@ -531,6 +531,16 @@ AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0
             per_device_train_batch_size=None)   # None: every divisor of a rank's sequences up to --max_micro_batch
 
 
+def static_offload(args, cluster):
+    """The static ZeRO-3 offload the run's DeepSpeed config gets (model.ds_config: --zero_offload, or
+    --deepspeed's file as the during-rollout flags leave it): "all" (params), "optimizer" or "none"."""
+    from model import ds_config
+    cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False, cuda=cluster.cuda)
+    zo = cfg.get("zero_optimization", {})
+    cpu = lambda key: zo.get(key, {}).get("device", "none") == "cpu"   # noqa: E731
+    return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
+
+
 def step_seconds(args, cluster, s):
     """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
     and reference log-probs, the update; what each lever adds)."""
@@ -552,7 +562,7 @@ def step_seconds(args, cluster, s):
     cache, room = vllm_cache(args, cluster, s, p) if cluster.cuda else (0, 1)
     waves = math.ceil(cache / room) if room > 0 else math.inf
     t["rollout"] = waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9) * (1 + c["tp_overhead"] * math.log2(tp))
-    zero = args.zero_offload or ("none" if args.offload_optimizer or args.offload_model else "all")
+    zero = static_offload(args, cluster)
     if cluster.cuda and zero in ("optimizer", "all"):
         t["CPU Adam (static offload)"] = nt / world / c["cpu_adam_params_per_s"]
         t["grads down, params up (static offload)"] = (2 + p) * nt / world / pcie
@@ -607,8 +617,8 @@ def choose(args, cluster, s=None):
         if fits:
             return a, pl, rejected
         rejected.append((a, secs, why[0].strip() if why else ""))
-        closest = min(closest, (worst(pl, cluster), id(a), a), key=lambda x: x[0])
-    return None, plan(closest[2] or args, cluster, s), rejected
+        closest = min(closest, (worst(pl, cluster), a), key=lambda x: x[0])
+    return None, plan(closest[1] or args, cluster, s), rejected
 
 
 def lever_flags(a, args=None):
@@ -630,8 +640,7 @@ def faster(args, cluster, s):
     -> [(flags, seconds saved per step)], largest first (what --plan says besides what saves memory)."""
     from flags import micro_batch
     args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": micro_batch(
-        args, cluster.gpus_per_node * cluster.nodes), "zero_offload": args.zero_offload or (
-        "none" if args.offload_optimizer or args.offload_model else "all")})   # the defaults as the values they are
+        args, cluster.gpus_per_node * cluster.nodes), "zero_offload": static_offload(args, cluster)})   # defaults as values
     base, out = sum(step_seconds(args, cluster, s).values()), {}
     for a in candidates(args, cluster):
         change = lever_flags(a, args)

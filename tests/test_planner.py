@@ -564,3 +564,15 @@ def test_memory_auto_on_published_set_ups(name):
     chosen, pl, _ = planner.choose(args, cluster, s)
     assert chosen is not None and planner.verdict(pl, cluster)[0]
     assert sum(planner.step_seconds(chosen, cluster, s).values()) <= sum(planner.step_seconds(by_hand, cluster, s).values())
+
+
+def test_the_step_time_model_reads_the_static_offload_from_the_deepspeed_config():
+    """--offload_model alone, --zero_offload unset: ds_zero3.json keeps the optimizer in host RAM
+    (model.ds_config), so the step pays CPU Adam; the model had taken it for no static offload."""
+    s = planner.model_shape("qwen2.5-vl-7b")
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--offload_model"])
+    assert planner.static_offload(args, cluster) == "optimizer"
+    assert "CPU Adam (static offload)" in planner.step_seconds(args, cluster, s)
+    assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b", "--offload_optimizer"]), cluster) == "none"
+    assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b"]), cluster) == "all"
