@@ -170,9 +170,16 @@ def setup(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     check_args(args, world)
-    if args.memory == "auto":   # the planner picks the levers on rank 0 (one node's free RAM), every rank runs them
-        chosen = [planner.decide(args, this_cluster(local_world, world), rank == 0) if rank == 0 else None]
+    if args.memory == "auto":   # rank 0 picks the levers (one node's free RAM); every rank runs them, or refuses alike
+        chosen = [None]
+        if rank == 0:
+            try:
+                chosen = [planner.decide(args, this_cluster(local_world, world))]
+            except SystemExit as refusal:   # nothing fits: the table, on every rank
+                chosen = [str(refusal)]
         dist.broadcast_object_list(chosen, src=0)
+        if isinstance(chosen[0], str):
+            sys.exit(chosen[0])
         args = chosen[0]
     args.per_device_train_batch_size = micro_batch(args, world)   # a named derived value, logged with the flags
     gas = grad_accumulation_steps(args, world)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import ARCHS, FAST, ROOT, ZERO3_SMALL, launch, tiny_of
+from conftest import ARCHS, FAST, ROOT, ZERO3_SMALL, command, launch, tiny_of
 
 pytestmark = pytest.mark.launch   # every test here runs the launcher or builds the grounding model
 
@@ -200,3 +200,14 @@ def test_logged_numbers_do_not_depend_on_the_micro_batch(tmp_path, tiny_default)
               "sampling/is_ratio_mean"):
         others = [b[k], budget[-1][k], prefix[-1][k]]
         assert all(a[k] == pytest.approx(v, rel=1e-5, abs=1e-7) for v in others), (k, a[k], others)
+
+
+def test_memory_auto_refuses_on_every_rank_when_nothing_fits(tmp_path, tiny_default):
+    """--memory auto, rank 0 decides: when no set-up fits (a 100 TB KV cache for vllm-cpu), every rank exits
+    with the plan's table, not rank 0 alone while the others wait in the broadcast for the launcher to
+    kill them."""
+    import subprocess
+    cmd, env = command(tmp_path, ["--memory", "auto", "--vllm_cpu_kv_cache_mb", str(10 ** 8)], 2, None)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and log.count("[memory auto] refusing to start") == 2, log[-3000:]
