@@ -240,6 +240,11 @@ def vllm_profile_bytes(s, p, tp, tokens, seqs):
     return max(text, sampler, vision)
 
 
+def cudagraph_bytes(args):
+    """vLLM's CUDA graphs on one GPU (VLLM_GPU's cautious figure; none with --vllm_enforce_eager)."""
+    return 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
+
+
 def vllm_batched_tokens(cluster):
     """vLLM's default max_num_batched_tokens for the LLM class (EngineArgs.get_batch_defaults): 16,384 on a
     GPU of 70 GB or more (A100s excepted: 8,192, which the cluster does not say; the larger is planned)."""
@@ -384,7 +389,7 @@ def plan(args, cluster, s=None):
     if args.sleep_level > 0:
         add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
     max_seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
-    graphs = 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
+    graphs = cudagraph_bytes(args)
     if args.sleep_level > 0 and graphs:   # the woken weights bring the "runtime" and "cudagraph" tags back
         add("gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
         # both levels copy those tags into pinned blocks while vLLM sleeps (20 MiB segments, 32 MiB blocks)
@@ -420,7 +425,7 @@ def vllm_cache(args, cluster, s, p):
     world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
     tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
-    graphs = 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
+    graphs = cudagraph_bytes(args)
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
         - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs) - graphs
     return tokens * kv_bytes_per_token(s, p, tp) + seqs * linear_state_bytes(s, p, tp), room
