@@ -576,3 +576,22 @@ def test_the_step_time_model_reads_the_static_offload_from_the_deepspeed_config(
     assert "CPU Adam (static offload)" in planner.step_seconds(args, cluster, s)
     assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b", "--offload_optimizer"]), cluster) == "none"
     assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b"]), cluster) == "all"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3.5-9b"])
+def test_kv_room_and_memory_auto_for_each_family(name):
+    """Every family at a real size: vLLM's KV room is its request minus weights, non-torch memory, the
+    profile's peak and graphs (Qwen3.5's cache adds its linear-attention state), and --memory auto finds
+    a set-up on 8 x 80 GB with no static offload."""
+    s = planner.model_shape(name)
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    args = train.parse_args(["--model", name, "--bf16", "--rollout_batch_size", "64", "--vllm_gpu_memory_utilization", "0.5"])
+    cache, room = planner.vllm_cache(args, cluster, s, 2)
+    seqs = 64 // 8 * 8
+    assert room == pytest.approx(0.5 * 80 * planner.GB - s["n"] * 2 - (0.15 + 1.0) * planner.GB
+                                 - planner.vllm_profile_bytes(s, 2, 1, 16384, seqs))
+    assert cache == 8 * (args.max_prompt_length + 8 * args.max_completion_length) * planner.kv_bytes_per_token(s, 2, 1) \
+        + seqs * planner.linear_state_bytes(s, 2, 1)
+    assert (planner.linear_state_bytes(s, 2, 1) > 0) == (s["model_type"] == "qwen3_5")
+    chosen, pl, _ = planner.choose(args, cluster, s)
+    assert chosen is not None and chosen.zero_offload == "none" and planner.verdict(pl, cluster)[0]
