@@ -72,9 +72,14 @@ def assert_one_complete_wandb_run(out_dir, metrics):
         assert not missing, (r["step"], sorted(missing)[:5])
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, tiny_default):
+    """The uninterrupted run of FLAGS that the kill and preemption tests compare with (one launch for both)."""
+    return launch(tmp_path_factory.mktemp("full"), *FLAGS)[0]
+
+
 @pytest.mark.launch
-def test_ten_kills_then_resume_exactly(tmp_path, tiny_default):
-    full, _ = launch(tmp_path / "full", *FLAGS)
+def test_ten_kills_then_resume_exactly(tmp_path, full):
     run = tmp_path / "run"
     ready = "[setup] 2 ranks"   # this launch has resumed (metrics.jsonl trimmed, wandb run open)
     kills = [
@@ -135,20 +140,18 @@ def preempted_at(log):
 
 
 @pytest.mark.launch
-def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
+def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     """SIGTERM to the whole job (as scancel does: DeepSpeed's launcher forwards it and gives the ranks
     30 s), then SIGTERM to tools/requeue.sh alone (SLURM's --signal=B:TERM@...): each time every rank
     finishes the step, a checkpoint of that step is written, and the ranks exit 75; the script passes
     75 on and calls `scontrol requeue` (a stub here: there is no SLURM), and the requeued run resumes."""
-    full, _ = launch(tmp_path / "full", *FLAGS)
     run = tmp_path / "run"
     p, log = start(run, name="preempted")
-    while not (run / "checkpoint-2").is_dir() and p.poll() is None:
-        time.sleep(0.01)
     # Step 2 still asks the ranks whether to stop after its checkpoint appears: a signal in that
-    # window preempts at 2 (correctly, but not what this checks). Steps take > 1 s here: after
-    # 0.5 s step 3 (not a save step) is under way.
-    time.sleep(0.5)
+    # window preempts at 2 (correctly, but not what this checks). Step 3's row means step 2 has asked,
+    # on a machine of any speed (it was a 0.5 s sleep); 3 is not a save step.
+    while not trained(run, 3) and p.poll() is None:
+        time.sleep(0.01)
     os.killpg(p.pid, signal.SIGTERM)
     while True:   # the launcher exits at once; the ranks finish the step first
         p.poll()  # reap the launcher: a zombie still counts in its process group
