@@ -124,12 +124,13 @@ def build_parser():
 # never scores under the exact-match reward (p ~ 1e-4 per sample), so there would be no signal.
 # 16 generations per prompt: with 8, whole groups agree early (zero spread, no signal) and greedy
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
-TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
-                     max_micro_batch=32,  # fewer ZeRO-3 gathers per step; memory is no issue here
+TINY_DEFAULTS = dict(learning_rate=2e-3, max_prompt_length=64, max_completion_length=1, max_steps=400, num_generations=16,
+                     max_micro_batch=32, gradient_checkpointing=False,  # fewer ZeRO-3 gathers, no recompute: memory is no issue here
                      val_freq=10, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
 TINY_TASKS = {"grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80, tiny_size="small",
-                                learning_rate=5e-4, num_generations=8)}  # a box: 12 tokens + stop
+                                learning_rate=5e-4, lr_scheduler_type="constant", num_generations=8, max_steps=300,  # a box: 12 tokens + stop
+                                shared_prefix=True)}  # the 80-token prompt once per group of 8: 2.4x faster updates
 
 
 def parse_args(argv=None):

@@ -166,7 +166,7 @@ def test_memory_py_plan_knows_each_family(name, capsys):
 
 # ----------------------------------------------------------------------------- against measurement
 RUN = ["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_train_batch_size", "8", "--max_steps", "2",
-       "--val_freq", "2", "--save_steps", "2", "--no-save_final_model"]
+       "--val_freq", "2", "--save_steps", "2", "--no-save_final_model", "--gradient_checkpointing"]
 
 
 @pytest.mark.launch
@@ -441,7 +441,7 @@ def test_memory_auto_prints_its_choice_and_the_run_uses_it(tmp_path, capsys):
     cpu = planner.Cluster(gpus_per_node=1, nodes=1, gpu_gb=0, host_gb=64, cuda=False)
     chosen = planner.decide(args, cpu)
     assert chosen.memory == "manual" and chosen.gradient_checkpointing is False and chosen.per_device_train_batch_size == 32
-    assert args.gradient_checkpointing is True   # the tiny default's, which the choice replaced
+    assert args.per_device_train_batch_size is None   # the default (micro_batch() picks), which the choice replaced
 
 
 def test_checkpoint_staging_is_one_storage_per_rank():
