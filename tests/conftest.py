@@ -98,6 +98,41 @@ def launch(out_dir, *flags, procs=2, timeout=1800, env=None):
     return read_metrics(out_dir), log
 
 
+def launch_until(out_dir, *flags, done, procs=2, timeout=3600):
+    """Run train.py like launch(), but SIGTERM the job (the preemption path: the ranks finish the step,
+    checkpoint and exit) as soon as done(metrics rows so far) holds; -> (rows, log). A learning test
+    then costs the steps this machine needs to show the learning, not a fixed budget sized for the
+    slowest seed. Fails if the run ends or times out before done() holds."""
+    import signal
+    import time
+    cmd, env = command(out_dir, flags, procs)
+    os.makedirs(out_dir, exist_ok=True)
+    path, deadline, met = os.path.join(out_dir, "launch.log"), time.time() + timeout, False
+    with open(path, "a") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while p.poll() is None and time.time() < deadline:
+            time.sleep(2)
+            try:
+                met = done(read_metrics(out_dir))
+            except (OSError, ValueError):   # no metrics yet, or a line being written
+                continue
+            if met:
+                break
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM if met else signal.SIGKILL)
+        while True:   # the ranks finish their step and checkpoint after the launcher has gone
+            p.poll()
+            try:
+                os.killpg(p.pid, 0)
+                time.sleep(0.2)
+            except ProcessLookupError:
+                break
+    text = open(path).read()
+    rows = read_metrics(out_dir)
+    assert met or done(rows), text[-5000:]
+    return rows, text
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

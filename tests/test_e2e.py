@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from conftest import ARCHS, FAST, ROOT, ZERO3_SMALL, command, launch, tiny_of
+from conftest import ARCHS, FAST, ROOT, ZERO3_SMALL, command, launch, launch_until, tiny_of
 
 pytestmark = pytest.mark.launch   # every test here runs the launcher or builds the grounding model
+COLOUR_BAR = GROUNDING_BAR = 0.9   # what every seed of docs/demos.md's reports reaches, well above the image-blind best
 
 
 def shm_buffers():
@@ -45,15 +46,35 @@ def test_two_process_run(tmp_path, tiny_default):
     assert os.listdir(files / "media" / "table")   # the completions table with images
 
 
+def blind_best(val_jsonl):
+    """The best greedy score of a policy blind to the image: it writes the most frequent answer for
+    every image and scores that answer's share of the validation set (the grounding task's boxes of
+    different positions do not overlap, so a wrong box scores 0 there too)."""
+    import collections
+    import json
+    answers = collections.Counter(json.dumps(json.loads(line)["solution"]) for line in open(val_jsonl))
+    return max(answers.values()) / sum(answers.values())
+
+
+def learns(tmp_path, key, bar, *flags):
+    """The demo's own run (2 processes, its defaults: the schedule, the steps), validated every 10 steps
+    and stopped (SIGTERM: the preemption path) at the first validation at `bar` or above; -> (rows, [(step, value)]).
+    On this machine that is a fraction of the demo's steps; on a machine whose run takes longer to learn
+    (other kernels give other samples: docs/demos.md), the test takes longer, not a different verdict."""
+    reached = lambda rows: any(r.get(key, -1) >= bar for r in rows)   # noqa: E731
+    rows, _ = launch_until(tmp_path, *flags, "--val_freq", "10", "--no-save_final_model", done=reached, timeout=7200)
+    val = [(r["step"], r[key]) for r in rows if key in r]
+    print("greedy validation by step:", val)
+    return rows, val
+
+
 def test_demo_learns(tmp_path, tiny_default):
-    """The demo's learning run (`make demo`: the embedded defaults, 2 processes) in 200 steps, not
-    300 (the cosine decays over 200): greedy validation must go from ~0 to >= 0.9 on the colour
-    task (chance: 0.25)."""
-    rows, _ = launch(tmp_path, "--max_steps", "200", "--val_freq", "20", "--no-save_final_model")
-    val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
-    print("validation reward by step:", val)
-    assert val[0] == (0, 0.0)
-    assert max(v for _, v in val) >= 0.9, val
+    """`make demo`: greedy validation goes from 0 (the random-init policy writes no colour word) to
+    COLOUR_BAR within the demo's 400 steps (chance 0.25; the best image-blind policy scores 0.30 here).
+    Five seeds of the same run, each reaching it, are in docs/demos.md (tools/seeds.py)."""
+    blind = blind_best(tiny_default[2])
+    _, val = learns(tmp_path, "val/reward", COLOUR_BAR)
+    assert val[0] == (0, 0.0) and COLOUR_BAR >= blind + 0.3 and max(v for _, v in val) >= COLOUR_BAR, (val, blind)
 
 
 @pytest.mark.parametrize("flags", [
@@ -120,29 +141,17 @@ def test_grounding_prior_writes_only_the_four_boxes():
 
 
 def test_grounding_demo_learns(tmp_path):
-    """`make demo TASK=grounding` (the grounding defaults, 2 processes) for 100 steps: a box of 12
-    tokens and a stop, scored by reward.iou; greedy validation IoU from the image-blind level to
-    well above it. The bar is what any machine reaches, and what no policy blind to the image can:
-    the best blind policy writes the most frequent position's box for every image and scores that
-    position's share of the validation set (0.36 here; boxes of different positions do not
-    overlap), so the test asks for that share + 0.3, i.e. the square read at 3 of the 4 positions
-    at least. The same run gave 1.00 at step 100 on some machines and loads and 0.77 (3 of 4
-    positions, like 2 of 5 seeds in docs/demos.md) on others, this one included; what differs
-    between them is not found yet (issue: never lose a run, part 3)."""
-    import collections
-    import json
-
+    """`make demo TASK=grounding`: a box of 12 tokens and a stop, scored by reward.iou; greedy validation
+    IoU goes from the image-blind level (the format prior writes one of the four boxes, blind to the image:
+    0.36 here, the most frequent position's share) to GROUNDING_BAR within the demo's 300 steps. Five seeds
+    in docs/demos.md reach it at steps 60 to 240; with the 100 steps this test ran before, a run that learns
+    late (seed 2: 0.17 at step 100, 1.00 at 170) failed on a machine whose kernels gave it other samples."""
     import tiny
-    rows, _ = launch(tmp_path, "--tiny_task", "grounding", "--max_steps", "100", "--lr_scheduler_type", "constant",
-                     "--val_freq", "50", "--no-save_final_model")
-    train_rows = [r for r in rows if "reward/mean" in r]
-    assert len(train_rows) == 100 and all(r["reward/iou_failures"] == 0 for r in train_rows)   # ground truth parsed
     val_jsonl = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")[2]
-    positions = collections.Counter(tuple(json.loads(line)["solution"]) for line in open(val_jsonl))
-    blind = max(positions.values()) / sum(positions.values())   # the best image-blind policy's IoU
-    val = [(r["step"], r["val/iou"]) for r in rows if "val/iou" in r]
-    print("validation IoU by step:", val, "image-blind best:", blind)
-    assert [s for s, _ in val] == [0, 50, 100] and val[0][1] <= blind + 1e-6 and val[-1][1] >= blind + 0.3, val
+    blind = blind_best(val_jsonl)
+    rows, val = learns(tmp_path, "val/iou", GROUNDING_BAR, "--tiny_task", "grounding")
+    assert all(r["reward/iou_failures"] == 0 for r in rows if "reward/mean" in r)   # every solution parsed
+    assert val[0][1] <= blind + 1e-6 and GROUNDING_BAR >= blind + 0.3 and max(v for _, v in val) >= GROUNDING_BAR, (val, blind)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,0 +1,76 @@
+"""Does a demo learn on more than one seed? Runs `make demo [TASK=grounding]`'s command (2 processes,
+the embedded defaults) once per seed, stops a run once greedy validation has reached the threshold
+at two validations in a row (SIGTERM: it checkpoints and exits 75), and prints the report's table.
+The seeds change the data order and the samples; the tiny model's weights are the same in every run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/seeds.py --task colour --seeds 0 1 2 3 4 [-- --learning_rate 2e-3]
+Runs go to runs/seeds-<task>-<S>; flags after `--` are passed to train.py (explicit flags win, as ever)."""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def validations(path):
+    """[(step, value)] of the validation rows in a run's metrics.jsonl so far."""
+    if not os.path.exists(path):
+        return []
+    rows = [json.loads(line) for line in open(path) if line.endswith("\n")]
+    return [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+
+
+def run(task, seed, threshold, extra, procs):
+    out = os.path.join(ROOT, "runs", f"seeds-{task}-{seed}")
+    shutil.rmtree(out, ignore_errors=True)   # a fresh run each time: --resume auto would continue an old one
+    with socket.socket() as sock:   # a free port: two sweeps side by side must not share a rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [os.path.join(ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", str(procs), "--master_port", str(port), "train.py", "--output_dir", out, "--seed", str(seed), "--tiny_task", task, "--val_freq", "10",
+           "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0", "--no-save_final_model", *extra]
+    start = time.time()
+    with open(out + ".log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true"))
+        while job.poll() is None:
+            time.sleep(5)
+            val = validations(os.path.join(out, "metrics.jsonl"))
+            if len(val) >= 2 and min(v for _, v in val[-2:]) >= threshold:
+                os.killpg(job.pid, signal.SIGTERM)   # held twice: enough for the report; checkpoint, exit 75
+                job.wait()
+    val = validations(os.path.join(out, "metrics.jsonl"))
+    first = next((s for s, v in val if v >= threshold), None)
+    return dict(seed=seed, first=first, best=max(val, key=lambda sv: sv[1]) if val else None,
+                last=val[-1] if val else None, minutes=(time.time() - start) / 60, rc=job.returncode, val=val)
+
+
+def main():
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="colour", choices=["colour", "grounding"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--threshold", type=float, default=0.9, help="greedy validation reward (the grounding task's is its IoU)")
+    p.add_argument("--procs", type=int, default=2)
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    results = []
+    for seed in a.seeds:
+        results.append(run(a.task, seed, a.threshold, extra, a.procs))
+        print(json.dumps(results[-1]), flush=True)
+    print(f"\n{a.task}, {a.procs} processes, flags: {' '.join(extra) or '(the defaults)'}; greedy validation every 10 steps")
+    print("| seed | first step at >= %g | best (step) | last (step) | minutes |\n| --- | --- | --- | --- | --- |" % a.threshold)
+    for r in results:
+        best = "%.2f (%d)" % (r["best"][1], r["best"][0]) if r["best"] else "-"
+        last = "%.2f (%d)" % (r["last"][1], r["last"][0]) if r["last"] else "-"
+        print(f"| {r['seed']} | {r['first'] if r['first'] is not None else 'never'} | {best} | {last} | {r['minutes']:.1f} |")
+    print(f"{sum(r['first'] is not None for r in results)} of {len(results)} seeds reach {a.threshold}")
+
+
+if __name__ == "__main__":
+    main()
