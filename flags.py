@@ -124,7 +124,7 @@ def build_parser():
 # never scores under the exact-match reward (p ~ 1e-4 per sample), so there would be no signal.
 # 16 generations per prompt: with 8, whole groups agree early (zero spread, no signal) and greedy
 # validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
-TINY_DEFAULTS = dict(learning_rate=2e-3, max_prompt_length=64, max_completion_length=1, max_steps=400, num_generations=16,
+TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
                      max_micro_batch=32, gradient_checkpointing=False,  # fewer ZeRO-3 gathers, no recompute: memory is no issue here
                      val_freq=10, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags

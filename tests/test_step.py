@@ -141,8 +141,8 @@ def make_run(parts, tmp_path, **flags):
 # ----------------------------------------------------------------------------- flags (set-up's pure part)
 def test_parse_args_tiny_defaults_only_without_model():
     tiny = train.parse_args([])
-    assert tiny.model is None and tiny.learning_rate == 2e-3 and tiny.max_completion_length == 1
-    assert not tiny.gradient_checkpointing and tiny.max_steps == 400
+    assert tiny.model is None and tiny.learning_rate == 1e-3 and tiny.max_completion_length == 1
+    assert not tiny.gradient_checkpointing and tiny.max_steps == 300
     real = train.parse_args(["--model", "some/dir"])
     assert real.learning_rate == 1e-6 and real.max_completion_length == 512 and real.reward_funcs == ["accuracy", "format"]
     assert real.gradient_checkpointing and real.lr_scheduler_type == "constant" and not real.shared_prefix
