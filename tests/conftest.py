@@ -98,6 +98,19 @@ def launch(out_dir, *flags, procs=2, timeout=1800, env=None):
     return read_metrics(out_dir), log
 
 
+def wait_for_group(p):
+    """Wait until every process of p's group (launcher and ranks) is gone: after a signal the launcher
+    exits at once and the ranks finish their step and checkpoint first."""
+    import time
+    while True:
+        p.poll()   # reap the launcher: a zombie still counts in its process group
+        try:
+            os.killpg(p.pid, 0)
+            time.sleep(0.1)
+        except ProcessLookupError:
+            return
+
+
 def launch_until(out_dir, *flags, done, procs=2, timeout=3600):
     """Run train.py like launch(), but SIGTERM the job (the preemption path: the ranks finish the step,
     checkpoint and exit) as soon as done(metrics rows so far) holds; -> (rows, log). A learning test
@@ -120,13 +133,7 @@ def launch_until(out_dir, *flags, done, procs=2, timeout=3600):
                 break
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM if met else signal.SIGKILL)
-        while True:   # the ranks finish their step and checkpoint after the launcher has gone
-            p.poll()
-            try:
-                os.killpg(p.pid, 0)
-                time.sleep(0.2)
-            except ProcessLookupError:
-                break
+        wait_for_group(p)
     text = open(path).read()
     rows = read_metrics(out_dir)
     assert met or done(rows), text[-5000:]

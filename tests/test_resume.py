@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ARCHS, FAST, ROOT, command, launch, read_metrics, tiny_of, wandb_history
+from conftest import ARCHS, FAST, ROOT, command, launch, read_metrics, tiny_of, wait_for_group, wandb_history
 
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
          "--num_iterations", "2", "--report_to", "wandb"]
@@ -153,13 +153,7 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     while not trained(run, 3) and p.poll() is None:
         time.sleep(0.01)
     os.killpg(p.pid, signal.SIGTERM)
-    while True:   # the launcher exits at once; the ranks finish the step first
-        p.poll()  # reap the launcher: a zombie still counts in its process group
-        try:
-            os.killpg(p.pid, 0)
-            time.sleep(0.1)
-        except ProcessLookupError:
-            break
+    wait_for_group(p)   # the launcher exits at once; the ranks finish the step first
     k = preempted_at(log)
     assert k >= 3 and (run / f"checkpoint-{k}").is_dir() and not (run / f"checkpoint-{k + 1}").exists()
     stub = tmp_path / "bin"
