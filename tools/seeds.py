@@ -26,8 +26,8 @@ def validations(path):
     return [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
 
 
-def run(task, seed, threshold, extra, procs):
-    out = os.path.join(ROOT, "runs", f"seeds-{task}-{seed}")
+def run(task, seed, threshold, extra, procs, tag=""):
+    out = os.path.join(ROOT, "runs", f"seeds-{task}{tag}-{seed}")
     shutil.rmtree(out, ignore_errors=True)   # a fresh run each time: --resume auto would continue an old one
     with socket.socket() as sock:   # a free port: two sweeps side by side must not share a rendezvous
         sock.bind(("127.0.0.1", 0))
@@ -44,6 +44,12 @@ def run(task, seed, threshold, extra, procs):
             if len(val) >= 2 and min(v for _, v in val[-2:]) >= threshold:
                 os.killpg(job.pid, signal.SIGTERM)   # held twice: enough for the report; checkpoint, exit 75
                 job.wait()
+        while True:   # the ranks finish their step after the launcher has gone: the next seed starts on a quiet machine
+            try:
+                os.killpg(job.pid, 0)
+                time.sleep(0.5)
+            except ProcessLookupError:
+                break
     val = validations(os.path.join(out, "metrics.jsonl"))
     first = next((s for s, v in val if v >= threshold), None)
     return dict(seed=seed, first=first, best=max(val, key=lambda sv: sv[1]) if val else None,
@@ -58,10 +64,11 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--threshold", type=float, default=0.9, help="greedy validation reward (the grounding task's is its IoU)")
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--tag", default="", help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     results = []
     for seed in a.seeds:
-        results.append(run(a.task, seed, a.threshold, extra, a.procs))
+        results.append(run(a.task, seed, a.threshold, extra, a.procs, a.tag))
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{a.task}, {a.procs} processes, flags: {' '.join(extra) or '(the defaults)'}; greedy validation every 10 steps")
     print("| seed | first step at >= %g | best (step) | last (step) | minutes |\n| --- | --- | --- | --- | --- |" % a.threshold)
