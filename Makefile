@@ -27,11 +27,14 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 demo: venv
 	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 
+# Two pytest workers (pytest-xdist): a one-process launch and the tests without a launch leave a core idle otherwise.
+# Launch tests go first (conftest), so the longest do not start last; tests that share a run are one xdist_group.
+WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 tests
 
 test-fast: venv   # every test that does not run the deepspeed launcher
-	$(PY) -m pytest -q --durations=10 -m "not launch" tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not launch" tests
 
 lint: venv   # pyflakes' rules and the import order (ruff.toml)
 	$(VENV)/bin/ruff check .
