@@ -11,6 +11,12 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items):
+    """Launch tests first (a minute to several each), the rest after: under `make test`'s two workers
+    (xdist) the long ones then never start last while the other worker has nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("launch") is None)
+
+
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]   # tiny.ARCHS: the families, for tests parametrized over them
 
 
@@ -76,7 +82,9 @@ def llm(llm_of):
 
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]  # partition every param
-FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8"]  # for runs that test plumbing, not learning
+# For runs that test plumbing, not learning: 16 prompts x 4 and the reference model (the colour demo's own 32 prompts
+# and beta 0 are for learning; flags.TINY_TASKS), so the KL, the reference's forward and its offload stay exercised.
+FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8", "--rollout_batch_size", "16", "--beta", "0.04"]
 
 
 def command(out_dir, flags, procs, env=None):

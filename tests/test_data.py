@@ -144,7 +144,7 @@ def test_impossible_flags_are_refused_with_the_arithmetic(flags, world, message)
 
 
 def test_possible_flags_give_micro_batch_count():
-    args = args_for("--num_generations", "7", "--per_device_train_batch_size", "7")
+    args = args_for("--num_generations", "7", "--per_device_train_batch_size", "7", "--rollout_batch_size", "16")
     assert train.check_args(args, 2) is None and train.grad_accumulation_steps(args, 2) == 8
 
 
@@ -156,12 +156,12 @@ def test_overlong_prompt_error_mode_stops_the_run(tmp_path, processor):
         stream.next(1)
 
 
-@pytest.mark.parametrize("world,expected", [(1, 28), (2, 28)])
+@pytest.mark.parametrize("world,expected", [(1, 32), (2, 28)])
 def test_default_micro_batch_divides_the_rank_sequences(world, expected):
     args = args_for("--num_generations", "7")           # the command researchers type
     train.check_args(args, world)
     assert args.per_device_train_batch_size is None      # check_args checks; micro_batch derives
-    assert train.micro_batch(args, world) == expected    # 16 / world x 7 sequences, divisor <= 32 on the tiny model
+    assert train.micro_batch(args, world) == expected    # 32 / world x 7 sequences, divisor <= 32 on the tiny model
     assert train.micro_batch(args_for("--model", "m", "--num_generations", "7"), world) == 8   # <= 8 otherwise (112 or 56)
 
 
