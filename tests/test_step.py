@@ -146,13 +146,13 @@ def test_parse_args_tiny_defaults_only_without_model():
     real = train.parse_args(["--model", "some/dir"])
     assert real.learning_rate == 1e-6 and real.max_completion_length == 512 and real.reward_funcs == ["accuracy", "format"]
     assert real.gradient_checkpointing and real.lr_scheduler_type == "constant" and not real.shared_prefix
-    assert (tiny.rollout_batch_size, tiny.beta, tiny.epsilon_high) == (32, 0.0, 0.28)   # the colour demo's (TINY_TASKS)
+    assert (tiny.rollout_batch_size, tiny.beta) == (32, 0.0)   # the colour demo's (TINY_TASKS)
     explicit = train.parse_args(["--learning_rate", "0.5"])          # an explicit flag wins over the tiny default
     assert explicit.learning_rate == 0.5 and explicit.max_completion_length == 1
     grounding = train.parse_args(["--tiny_task", "grounding"])
     assert grounding.reward_funcs == ["iou"] and grounding.max_completion_length == 16
     assert grounding.lr_scheduler_type == "constant" and grounding.shared_prefix and grounding.max_steps == 300
-    assert (grounding.rollout_batch_size, grounding.beta, grounding.epsilon_high) == (16, 0.04, None)
+    assert (grounding.rollout_batch_size, grounding.beta) == (16, 0.04)
 
 
 def test_each_family_gets_its_grid_its_cpu_dtype_and_unknown_ones_a_clear_error():
