@@ -28,7 +28,8 @@ demo: venv
 	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 
 # Two pytest workers (pytest-xdist): a one-process launch and the tests without a launch leave a core idle otherwise.
-# Launch tests go first (conftest), so the longest do not start last; tests that share a run are one xdist_group.
+# --dist loadgroup hands out a test at a time as a worker frees up (xdist_group marks are inert under pytest 9.2:
+# xdist 3.8 renames item._nodeid, which pytest 9 no longer reads); launch tests go first (conftest).
 WORKERS ?= 2
 test: venv
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 tests

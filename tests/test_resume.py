@@ -74,12 +74,12 @@ def assert_one_complete_wandb_run(out_dir, metrics):
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, tiny_default):
-    """The uninterrupted run of FLAGS that the kill and preemption tests compare with (one launch for both)."""
+    """The uninterrupted run of FLAGS that the kill and preemption tests compare with (one launch for both on
+    one pytest worker; under `make test`'s two workers each worker that runs one of them launches it)."""
     return launch(tmp_path_factory.mktemp("full"), *FLAGS)[0]
 
 
 @pytest.mark.launch
-@pytest.mark.xdist_group("full")   # one worker runs both users of the module's `full` run: one launch, not two
 def test_ten_kills_then_resume_exactly(tmp_path, full):
     run = tmp_path / "run"
     ready = "[setup] 2 ranks"   # this launch has resumed (metrics.jsonl trimmed, wandb run open)
@@ -141,7 +141,6 @@ def preempted_at(log):
 
 
 @pytest.mark.launch
-@pytest.mark.xdist_group("full")
 def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     """SIGTERM to the whole job (as scancel does: DeepSpeed's launcher forwards it and gives the ranks
     30 s), then SIGTERM to tools/requeue.sh alone (SLURM's --signal=B:TERM@...): each time every rank
