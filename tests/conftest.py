@@ -13,7 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_collection_modifyitems(items):
     """Launch tests first (a minute to several each), the rest after: under `make test`'s two workers
-    (xdist) the long ones then never start last while the other worker has nothing left to do."""
+    (xdist) the short tests fill the tail beside the last launches (in file order: the ten kills, the
+    longest, still starts late)."""
     items.sort(key=lambda item: item.get_closest_marker("launch") is None)
 
 
