@@ -34,10 +34,30 @@ def tiny_default():
     return tiny_of()
 
 
+_PORTS = {}   # worker -> the next port to try in its block
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, from a block of this pytest worker's own. A port
+    from bind(0) is ephemeral: between its release and the TCPStore's listen (seconds, while the ranks
+    start) the kernel may give it to any outgoing connection, the other worker's gloo pairs included (the
+    CI of 6f5c8e2 failed so: EADDRINUSE). A port below the range is only ever taken by an explicit bind."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except OSError:
+        low = 32768
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]) % 8
+    first = max(1024, low - 8 * 1024) + worker * 1024   # 8 blocks of 1,024 ports under the range
+    for _ in range(1024):
+        port = _PORTS.get(worker, first + os.getpid() % 512)   # another pytest beside this one starts elsewhere
+        _PORTS[worker] = first + (port + 1 - first) % 1024
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:   # in use, or a connection on it in TIME_WAIT
+                continue
+    raise RuntimeError(f"no free port in {first}..{first + 1023}")
 
 
 @pytest.fixture(scope="session")

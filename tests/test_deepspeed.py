@@ -261,3 +261,16 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
         assert outs and all(f"STEPPED {r} {expect}" in o for r, o in enumerate(outs)), outs and [o[-2000:] for o in outs]
     else:
         assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
+
+
+def test_test_ports_are_below_the_ephemeral_range_and_apart_per_worker(monkeypatch):
+    """The tests' rendezvous ports (conftest.free_port) cannot be handed to a connection meanwhile: bind(0)'s
+    ports could (the CI of 6f5c8e2: EADDRINUSE in a spawned rank), and the two workers never share one."""
+    from conftest import free_port
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        ports[worker] = [free_port() for _ in range(20)]
+    assert all(p < low for got in ports.values() for p in got), ports
+    assert len(set(ports["gw0"])) == 20 and not set(ports["gw0"]) & set(ports["gw1"]), ports
