@@ -11,11 +11,21 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Seconds the longest tests took under `make test` (two workers, a clean clone of 48b9bb9, idle): they start
+# first, longest first, so that the run does not end on one of them started late beside an idle worker
+# (the ten kills, last in file order, started at minute ~24 of 44). Other launch tests follow, then the rest.
+LONGEST = {"test_ten_kills_then_resume_exactly": 673, "test_grounding_demo_learns": 427,
+           "test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm": 285,
+           "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 253,
+           "test_preemption_checkpoints_the_step_and_exits_75": 244, "test_demo_learns": 223,
+           "test_grounding_prior_writes_only_the_four_boxes": 215,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 213,
+           "test_logged_numbers_do_not_depend_on_the_micro_batch": 182,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-2-0]": 154}
+
+
 def pytest_collection_modifyitems(items):
-    """Launch tests first (a minute to several each), the rest after: under `make test`'s two workers
-    (xdist) the short tests fill the tail beside the last launches (in file order: the ten kills, the
-    longest, still starts late)."""
-    items.sort(key=lambda item: item.get_closest_marker("launch") is None)
+    items.sort(key=lambda item: (-LONGEST.get(item.name, 0), item.get_closest_marker("launch") is None))
 
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]   # tiny.ARCHS: the families, for tests parametrized over them
