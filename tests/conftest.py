@@ -11,17 +11,17 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Seconds the longest tests took under `make test` (two workers, a clean clone of 48b9bb9, idle): they start
-# first, longest first, so that the run does not end on one of them started late beside an idle worker
-# (the ten kills, last in file order, started at minute ~24 of 44). Other launch tests follow, then the rest.
-LONGEST = {"test_ten_kills_then_resume_exactly": 673, "test_grounding_demo_learns": 427,
-           "test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm": 285,
-           "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 253,
-           "test_preemption_checkpoints_the_step_and_exits_75": 244, "test_demo_learns": 223,
-           "test_grounding_prior_writes_only_the_four_boxes": 215,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 213,
-           "test_logged_numbers_do_not_depend_on_the_micro_batch": 182,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-2-0]": 154}
+# Seconds the longest tests took under `make test` (two workers, a clean clone, idle): they start first,
+# longest first, so that the run does not end on one of them started late beside an idle worker (in file
+# order the ten kills, the longest, started at minute ~24 of 44; ordered so, the two workers ended 8 s apart).
+LONGEST = {"test_ten_kills_then_resume_exactly": 877, "test_grounding_demo_learns": 591,
+           "test_preemption_checkpoints_the_step_and_exits_75": 299,
+           "test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm": 233,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 231,
+           "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 217,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-2-0]": 190, "test_demo_learns": 188,
+           "test_logged_numbers_do_not_depend_on_the_micro_batch": 141,
+           "test_resume_exact_with_one_process_and_the_export_loads[qwen3_5]": 135}
 
 
 def pytest_collection_modifyitems(items):
@@ -118,16 +118,26 @@ ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold
 FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8", "--rollout_batch_size", "16", "--beta", "0.04"]
 
 
-def command(out_dir, flags, procs, env=None):
+def command(out_dir, flags, procs, env=None, runner=False):
+    """-> (argv, env) of a job on this node: DeepSpeed's per-node launcher with the arguments and environment
+    the `deepspeed` runner gives it for one node (runner.py: world_info is base64 JSON of the node's ranks);
+    with runner=True the user's own command, `deepspeed --num_gpus N train.py`, for the tests of that
+    command (its signals, its exit code, the README's launch). The runner only starts the launcher and
+    waits: 3 CPU-s of imports a launch, ~50 launches in `make test`."""
+    import base64
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
-    cmd = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port()), "train.py",
-           "--output_dir", str(out_dir), *ZERO3_SMALL, *flags]
-    return cmd, env
+    if runner:
+        head = [DEEPSPEED, "--num_gpus", str(procs), "--master_port", str(free_port())]
+    else:
+        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(procs))}).encode()).decode()
+        head = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    return [*head, "train.py", "--output_dir", str(out_dir), *ZERO3_SMALL, *flags], env
 
 
-def launch(out_dir, *flags, procs=2, timeout=1800, env=None):
-    """Run train.py under the real deepspeed launcher; -> (metrics rows, log). Fails on rc != 0."""
-    cmd, env = command(out_dir, flags, procs, env)
+def launch(out_dir, *flags, procs=2, timeout=1800, env=None, runner=False):
+    """Run train.py under DeepSpeed's real launcher (command()); -> (metrics rows, log). Fails on rc != 0."""
+    cmd, env = command(out_dir, flags, procs, env, runner)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = r.stdout + r.stderr
     os.makedirs(out_dir, exist_ok=True)

@@ -14,8 +14,10 @@ COLOUR_BAR, GROUNDING_BAR = 0.45, 0.9
 
 
 def test_two_process_run(tmp_path, tiny_default):
+    """The README's command (`deepspeed --num_gpus 2 train.py`, the runner included) for a short run: every
+    step's numbers logged, vLLM in step with the trainer, validation, the plot and the wandb run."""
     rows, log = launch(tmp_path, *FAST, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
-                       "--report_to", "wandb", "--run_name", "e2e")
+                       "--report_to", "wandb", "--run_name", "e2e", runner=True)
     port = re.search(r"--master_port=(\d+)", log).group(1)   # this job's buffers only: another test's may come and go
     left = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
     assert not left   # DeepSpeed's ~70 MB per rank in /dev/shm: removed at exit

@@ -21,10 +21,10 @@ SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm"
         "completion/length", "val/reward", "train/lr")
 
 
-def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None):
+def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None, runner=False):
     """Start the run (behind the command `wrap`, if any) in its own process group; -> (process, path of
     this launch's log)."""
-    cmd, env = command(out_dir, flags, procs, env)
+    cmd, env = command(out_dir, flags, procs, env, runner)
     cmd = [*wrap, *cmd]
     os.makedirs(out_dir, exist_ok=True)
     n = len([f for f in os.listdir(out_dir) if f.startswith(name)])
@@ -36,17 +36,28 @@ def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None):
 def start_and_kill(out_dir, when):
     """SIGKILL the whole process group (launcher + ranks) once when(this launch's log) holds."""
     p, path = start(out_dir)
-    deadline = time.time() + 900
-    while p.poll() is None and not when(open(path).read()) and time.time() < deadline:
-        time.sleep(0.001)
+    deadline, text = time.time() + 900, ""
+    with open(path) as log:
+        while p.poll() is None and not when(text := text + log.read()) and time.time() < deadline:
+            time.sleep(0.001)   # a poll a millisecond: the mid-save windows are short; what it reads is only what is new
     assert p.poll() is None, "the run ended before the kill point:\n" + open(path).read()[-3000:]
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
 
 
+_ROWS = {}   # metrics.jsonl -> (its stat, its rows): the kill windows poll it every millisecond
+
+
 def rows(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
-    return read_metrics(out_dir) if os.path.exists(path) else []
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return []
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if _ROWS.get(path, (None,))[0] != key:
+        _ROWS[path] = (key, read_metrics(out_dir))
+    return _ROWS[path][1]
 
 
 def trained(out_dir, step):
@@ -74,9 +85,19 @@ def assert_one_complete_wandb_run(out_dir, metrics):
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, tiny_default):
-    """The uninterrupted run of FLAGS that the kill and preemption tests compare with (one launch for both on
-    one pytest worker; under `make test`'s two workers each worker that runs one of them launches it)."""
-    return launch(tmp_path_factory.mktemp("full"), *FLAGS)[0]
+    """The uninterrupted run of FLAGS that the kill and preemption tests compare with, launched once per
+    pytest run: under `make test`'s two workers the first to need it launches it into the run's shared
+    temp folder and the other waits on the lock (flock: a dead holder's lock is released)."""
+    import fcntl
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # xdist: <run>/popen-gwN
+    with open(root / "full.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "full" / "done").exists():
+            shutil.rmtree(root / "full", ignore_errors=True)   # a holder that failed or died mid-launch
+            launch(root / "full", *FLAGS)
+            (root / "full" / "done").touch()
+        return read_metrics(root / "full")
 
 
 @pytest.mark.launch
@@ -147,7 +168,7 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     finishes the step, a checkpoint of that step is written, and the ranks exit 75; the script passes
     75 on and calls `scontrol requeue` (a stub here: there is no SLURM), and the requeued run resumes."""
     run = tmp_path / "run"
-    p, log = start(run, name="preempted")
+    p, log = start(run, name="preempted", runner=True)
     # Step 2 still asks the ranks whether to stop after its checkpoint appears: a signal in that
     # window preempts at 2 (correctly, but not what this checks). Step 3's row means step 2 has asked,
     # on a machine of any speed (it was a 0.5 s sleep); 3 is not a save step.
@@ -162,7 +183,7 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     (stub / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n")
     (stub / "scontrol").chmod(0o755)
     env = {"SLURM_JOB_ID": "4242", "PATH": f"{stub}:{os.environ['PATH']}"}
-    p, log = start(run, name="preempted", wrap=[os.path.join(ROOT, "tools", "requeue.sh")], env=env)
+    p, log = start(run, name="preempted", wrap=[os.path.join(ROOT, "tools", "requeue.sh")], env=env, runner=True)
     while not trained(run, k + 1) and p.poll() is None:
         time.sleep(0.01)
     p.send_signal(signal.SIGTERM)   # the script alone
@@ -302,7 +323,8 @@ def test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command(tmp_path, 
     checkpoint it, exit 75 and free the folder, and a relaunch resumes. (A folder whose owner was
     SIGKILLed is taken over: test_ten_kills_then_resume_exactly.)"""
     import psutil
-    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="orphaned")
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="orphaned",
+                   runner=True)
     while not trained(tmp_path, 1) and p.poll() is None:
         time.sleep(0.05)
     family = psutil.Process(p.pid).children(recursive=True)
