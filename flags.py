@@ -171,6 +171,15 @@ def grad_accumulation_steps(args, world):
     return args.rollout_batch_size // world * args.num_generations // micro_batch(args, world)
 
 
+def inert_flags(args):
+    """Flags the user set that the run's other flags leave without effect, one line each (rank 0 prints them)."""
+    clip = [f"--{f}" for f in ("epsilon", "epsilon_high") if f in getattr(args, "explicit", ())]
+    if clip and args.num_iterations == 1:
+        return [f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
+                "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)"]
+    return []
+
+
 def check_args(args, world):
     """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing."""
     def need(ok, msg):

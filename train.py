@@ -48,7 +48,7 @@ import planner
 import ranks
 import reward
 import rollout
-from flags import check_args, grad_accumulation_steps, micro_batch, parse_args  # noqa: F401  (train.parse_args)
+from flags import check_args, grad_accumulation_steps, inert_flags, micro_batch, parse_args  # noqa: F401  (train.parse_args)
 
 
 # ----------------------------------------------------------------------------- records
@@ -170,6 +170,9 @@ def setup(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     check_args(args, world)
+    if rank == 0:
+        for note in inert_flags(args):
+            print(f"[flags] note: {note}", flush=True)
     if args.memory == "auto":   # rank 0 picks the levers (one node's free RAM); every rank runs them, or refuses alike
         chosen = [None]
         if rank == 0:

@@ -139,6 +139,16 @@ def make_run(parts, tmp_path, **flags):
 
 
 # ----------------------------------------------------------------------------- flags (set-up's pure part)
+def test_clip_flags_are_named_when_one_iteration_leaves_them_inert():
+    """--epsilon / --epsilon_high clip the ratio to the sampling policy, which is 1 at --num_iterations 1 (one
+    optimizer step per rollout batch): set there they do nothing, and rank 0 says so at start-up (the geo3k
+    recipe sets --epsilon_high; test_recipes checks the line)."""
+    (note,) = train.inert_flags(train.parse_args(["--epsilon_high", "0.28"]))
+    assert note.startswith("--epsilon_high act only with --num_iterations > 1")
+    assert train.inert_flags(train.parse_args(["--epsilon", "0.1", "--epsilon_high", "0.28", "--num_iterations", "2"])) == []
+    assert train.inert_flags(train.parse_args([])) == []   # the defaults are not the user's
+
+
 def test_parse_args_tiny_defaults_only_without_model():
     tiny = train.parse_args([])
     assert tiny.model is None and tiny.learning_rate == 1e-3 and tiny.max_completion_length == 1
