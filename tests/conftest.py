@@ -190,8 +190,9 @@ def launch_until(out_dir, *flags, done, procs=2, timeout=3600):
 
 
 def read_metrics(out_dir):
+    """metrics.jsonl's rows; a last line still being appended (no newline yet) is not one."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def wandb_records(path):

@@ -3,6 +3,7 @@ mid-save, mid-validation, ...) and the relaunched run ends exactly as an unbroke
 run and its full history; a stale JIT lock does not hang a launch; metrics.jsonl survives a kill
 while it is rewritten; preemption (SIGTERM to the job, SIGUSR1 to the ranks) checkpoints the step
 and exits 75; a resumed run reproduces the uninterrupted one bitwise with 1 process too."""
+import codecs
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import ARCHS, FAST, ROOT, command, launch, read_metrics, tiny_of, wait_for_group, wandb_history
 
+SLOW_DISK = os.path.join(ROOT, "tests", "slow_disk")
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
          "--num_iterations", "2", "--report_to", "wandb"]
 SAME = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/clip_frac",
@@ -33,16 +35,25 @@ def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None, runne
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), path
 
 
-def start_and_kill(out_dir, when):
-    """SIGKILL the whole process group (launcher + ranks) once when(this launch's log) holds."""
-    p, path = start(out_dir)
+def start_and_kill(out_dir, when, hold=None):
+    """SIGKILL the whole process group (launcher + ranks) once when(this launch's log) holds. With hold (a
+    checkpoint's name) that checkpoint's rename waits for the kill: tests/slow_disk, a disk slow enough
+    that a kill aimed mid-save cannot miss the window."""
+    os.makedirs(out_dir, exist_ok=True)
+    held = os.path.join(out_dir, f"{hold}.hold")
+    if hold:
+        open(held, "w").close()
+    p, path = start(out_dir, env={"PYTHONPATH": os.pathsep.join(filter(None, [SLOW_DISK, os.environ.get("PYTHONPATH")]))})
     deadline, text = time.time() + 900, ""
-    with open(path) as log:
-        while p.poll() is None and not when(text := text + log.read()) and time.time() < deadline:
-            time.sleep(0.001)   # a poll a millisecond: the mid-save windows are short; what it reads is only what is new
+    utf8 = codecs.getincrementaldecoder("utf-8")()   # a read can end inside a character (tqdm's bars)
+    with open(path, "rb") as log:
+        while p.poll() is None and not when(text := text + utf8.decode(log.read())) and time.time() < deadline:
+            time.sleep(0.001)   # a poll a millisecond; what it reads is only what is new
     assert p.poll() is None, "the run ended before the kill point:\n" + open(path).read()[-3000:]
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
+    if hold:
+        os.remove(held)
 
 
 _ROWS = {}   # metrics.jsonl -> (its stat, its rows): the kill windows poll it every millisecond
@@ -104,20 +115,20 @@ def full(tmp_path_factory, tiny_default):
 def test_ten_kills_then_resume_exactly(tmp_path, full):
     run = tmp_path / "run"
     ready = "[setup] 2 ranks"   # this launch has resumed (metrics.jsonl trimmed, wandb run open)
-    kills = [
-        lambda log: time.sleep(4) or True,                                             # 1. importing
-        lambda log: "[setup] embedded default" in log,                                 # 2. loading (JIT op, vLLM)
-        lambda log: ready in log,                                                      # 3. right after set-up
-        lambda log: ready in log and any(r["step"] == 0 for r in rows(run)),           # 4. step 1, no checkpoint yet
-        lambda log: ready in log and (run / "checkpoint-2.tmp").is_dir(),             # 5. mid-save
-        lambda log: ready in log and (run / "checkpoint-2").is_dir() and not trained(run, 3),   # 6. step 3
-        lambda log: ready in log and trained(run, 3) and not any("val/reward" in r and r["step"] == 3 for r in rows(run)),
-        lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(),             # 8. mid-save
-        lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5),
-        lambda log: ready in log and (run / "checkpoint-6.tmp").is_dir(),             # 10. mid-save, last step
+    kills = [   # (what to kill at, the checkpoint whose rename waits for the kill: a mid-save kill)
+        (lambda log: time.sleep(4) or True, None),                                              # 1. importing
+        (lambda log: "[setup] embedded default" in log, None),                                  # 2. loading (JIT op, vLLM)
+        (lambda log: ready in log, None),                                                       # 3. right after set-up
+        (lambda log: ready in log and any(r["step"] == 0 for r in rows(run)), None),            # 4. step 1, no checkpoint yet
+        (lambda log: ready in log and (run / "checkpoint-2.tmp").is_dir(), "checkpoint-2"),    # 5. mid-save
+        (lambda log: ready in log and (run / "checkpoint-2").is_dir() and not trained(run, 3), None),   # 6. step 3
+        (lambda log: ready in log and trained(run, 3) and not any("val/reward" in r and r["step"] == 3 for r in rows(run)), None),
+        (lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(), "checkpoint-4"),    # 8. mid-save
+        (lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5), None),
+        (lambda log: ready in log and (run / "checkpoint-6.tmp").is_dir(), "checkpoint-6"),    # 10. mid-save, last step
     ]
-    for when in kills:
-        start_and_kill(run, when)
+    for when, hold in kills:
+        start_and_kill(run, when, hold)
     assert not (run / "checkpoint-6").exists()
     out, log = launch(run, *FLAGS)
     assert "[resume] from" in log and "checkpoint-4: step 4" in log
@@ -224,26 +235,58 @@ def test_a_lock_with_a_live_holder_is_left_alone(tmp_path):
         os.close(fd)
 
 
+def test_the_slow_disk_holds_a_checkpoints_rename_until_its_hold_file_goes(tmp_path):
+    """tests/slow_disk, the stand-in the mid-save kills rely on: a rename of checkpoint-K.tmp waits while
+    checkpoint-K.hold exists, and then happens; other renames do not wait."""
+    (tmp_path / "checkpoint-2.tmp").mkdir()
+    (tmp_path / "checkpoint-2.hold").touch()
+    (tmp_path / "other.tmp").mkdir()
+    code = ("import os, sys\nos.rename(sys.argv[1] + '/other.tmp', sys.argv[1] + '/other')\nprint('other', flush=True)\n"
+            "os.rename(sys.argv[1] + '/checkpoint-2.tmp', sys.argv[1] + '/checkpoint-2')\nprint('renamed', flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=SLOW_DISK))
+    assert p.stdout.readline().strip() == "other"
+    time.sleep(1)   # unheld, the rename comes microseconds after "other": a slow machine can only make this pass
+    assert (tmp_path / "checkpoint-2.tmp").is_dir() and p.poll() is None
+    (tmp_path / "checkpoint-2.hold").unlink()
+    assert p.stdout.readline().strip() == "renamed" and p.wait(timeout=60) == 0
+    assert (tmp_path / "checkpoint-2").is_dir()
+
+
 KILL_MID_REWRITE = """
-import json, sys, time
+import sys, time
 sys.path.insert(0, {root!r})
 import checkpoint
-slow = json.dumps
-checkpoint.json.dumps = lambda *a, **k: (time.sleep(0.01), slow(*a, **k))[1]   # a slow disk
-print("REWRITING", flush=True)
+
+class Stuck:   # a disk that stops mid-write: half the text lands, then nothing more
+    def __init__(self, f):
+        self.f = f
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+    def write(self, text):
+        self.f.write(text[:len(text) // 2])
+        self.f.flush()
+        print("MID-WRITE", flush=True)
+        time.sleep(600)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+checkpoint.open = lambda file, mode="r", *a, **k: Stuck(open(file, mode, *a, **k)) if "w" in mode else open(file, mode, *a, **k)
 checkpoint.trim_metrics({path!r}, 40)
 """
 
 
 def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
     """Resuming keeps metrics.jsonl's rows up to the checkpoint. It used to truncate the file and
-    then write them: a kill in between lost every row. Now a temp file is renamed over it."""
+    then write them: a kill in between lost every row. Now a temp file is renamed over it. The kill
+    lands while the new text is half written (a disk that stops there), on a machine of any speed."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 52)))
     p = subprocess.Popen([sys.executable, "-c", KILL_MID_REWRITE.format(root=ROOT, path=str(path))],
                          stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "REWRITING"
-    time.sleep(0.2)   # well inside the ~0.4 s rewrite
+    assert p.stdout.readline().strip() == "MID-WRITE"
     p.kill()
     p.wait()
     steps = [json.loads(line)["step"] for line in open(path)]
