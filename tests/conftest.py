@@ -44,23 +44,38 @@ def tiny_default():
     return tiny_of()
 
 
-_PORTS = {}   # worker -> the next port to try in its block
+_PORTS = []   # [the open lock file that holds this process's block, the block's first port, the next to try]
 
 
 def free_port():
-    """A free port below the kernel's ephemeral range, from a block of this pytest worker's own. A port
-    from bind(0) is ephemeral: between its release and the TCPStore's listen (seconds, while the ranks
-    start) the kernel may give it to any outgoing connection, the other worker's gloo pairs included (the
-    CI of 6f5c8e2 failed so: EADDRINUSE). A port below the range is only ever taken by an explicit bind."""
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except OSError:
-        low = 32768
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]) % 8
-    first = max(1024, low - 8 * 1024) + worker * 1024   # 8 blocks of 1,024 ports under the range
-    for _ in range(1024):
-        port = _PORTS.get(worker, first + os.getpid() % 512)   # another pytest beside this one starts elsewhere
-        _PORTS[worker] = first + (port + 1 - first) % 1024
+    """A free port below the kernel's ephemeral range, from a block of 1,024 that this process alone holds.
+    A port from bind(0) is ephemeral: between its release and the TCPStore's listen (seconds, while the
+    ranks start) the kernel may give it to any outgoing connection, the other worker's gloo pairs included
+    (the CI of 6f5c8e2 failed so: EADDRINUSE). A port below the range is only ever taken by an explicit
+    bind, and no other pytest process (an xdist worker, or a second pytest run beside this one) picks from
+    this block: each holds its block by a flock in the temp folder, released when its holder dies."""
+    import fcntl
+    import tempfile
+    if not _PORTS:
+        try:
+            low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        except OSError:
+            low = 32768
+        for block in range(8):   # 8 blocks under the range
+            lock = open(os.path.join(tempfile.gettempdir(), f"vlm-grpo-test-ports-{block}.lock"), "w")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            first = max(1024, low - 8 * 1024) + block * 1024
+            _PORTS[:] = [lock, first, first]
+            break
+        else:
+            raise RuntimeError("eight live pytest processes hold the eight blocks of test ports")
+    _, first, port = _PORTS
+    for port in [first + (port - first + i) % 1024 for i in range(1024)]:
+        _PORTS[2] = first + (port + 1 - first) % 1024
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

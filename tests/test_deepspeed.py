@@ -263,14 +263,18 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
         assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
 
 
-def test_test_ports_are_below_the_ephemeral_range_and_apart_per_worker(monkeypatch):
+def test_test_ports_are_below_the_ephemeral_range_and_apart_per_process():
     """The tests' rendezvous ports (conftest.free_port) cannot be handed to a connection meanwhile: bind(0)'s
-    ports could (the CI of 6f5c8e2: EADDRINUSE in a spawned rank), and the two workers never share one."""
-    from conftest import free_port
+    ports could (the CI of 6f5c8e2: EADDRINUSE in a spawned rank). Two pytest processes (the two workers, or
+    two runs side by side: two runs both as worker gw0 collided so) never pick the same one."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    ports = {}
-    for worker in ("gw0", "gw1"):
-        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        ports[worker] = [free_port() for _ in range(20)]
-    assert all(p < low for got in ports.values() for p in got), ports
-    assert len(set(ports["gw0"])) == 20 and not set(ports["gw0"]) & set(ports["gw1"]), ports
+    here = [free_port() for _ in range(20)]
+    code = "import sys\nsys.path.insert(0, 'tests')\nfrom conftest import free_port\nprint(*[free_port() for _ in range(20)])"
+    there = [int(p) for p in subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                            check=True, env=dict(os.environ, PYTEST_XDIST_WORKER="gw0")).stdout.split()]
+    assert all(p < low for p in here + there) and len(set(here)) == len(set(there)) == 20, (here, there)
+    assert not set(here) & set(there), (here, there)
