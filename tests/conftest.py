@@ -73,8 +73,8 @@ def free_port():
             break
         else:
             raise RuntimeError("eight live pytest processes hold the eight blocks of test ports")
-    _, first, port = _PORTS
-    for port in [first + (port - first + i) % 1024 for i in range(1024)]:
+    _, first, nxt = _PORTS
+    for port in [first + (nxt - first + i) % 1024 for i in range(1024)]:
         _PORTS[2] = first + (port + 1 - first) % 1024
         with socket.socket() as s:
             try:

@@ -40,8 +40,8 @@ def start_and_kill(out_dir, when, hold=None):
     checkpoint's name) that checkpoint's rename waits for the kill: tests/slow_disk, a disk slow enough
     that a kill aimed mid-save cannot miss the window."""
     os.makedirs(out_dir, exist_ok=True)
-    held = os.path.join(out_dir, f"{hold}.hold")
-    if hold:
+    held = hold and os.path.join(out_dir, f"{hold}.hold")
+    if held:
         open(held, "w").close()
     p, path = start(out_dir, env={"PYTHONPATH": os.pathsep.join(filter(None, [SLOW_DISK, os.environ.get("PYTHONPATH")]))})
     deadline, text = time.time() + 900, ""
@@ -52,7 +52,7 @@ def start_and_kill(out_dir, when, hold=None):
     assert p.poll() is None, "the run ended before the kill point:\n" + open(path).read()[-3000:]
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    if hold:
+    if held:
         os.remove(held)
 
 
