@@ -8,7 +8,8 @@ renamed last, so a crash mid-save never leaves a directory that resume would tak
 Every other file rewritten in place (metrics.jsonl on resume, the wandb run id) goes through
 write_atomic. A killed launch can leave a JIT-op lock and its /dev/shm allreduce buffers (both
 cleared at the next start when no live process holds them). An output folder belongs to one live
-job (claim_output_dir): a second launch into it is refused, naming the owner.
+job (claim_output_dir): a second launch into it is refused, naming the owner, and the job that
+takes it removes the temp files of write_atomic that a kill left.
 """
 import json
 import os
@@ -325,6 +326,12 @@ def claim_output_dir(output_dir):
         print(f"[setup] {output_dir}: taking over from a job that is gone (host {owner.get('host')}, pid {owner.get('pid')})")
     write_atomic(path, json.dumps({"host": me, "pid": os.getpid(), "start": _process_start(os.getpid()),
                                    "launched": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    # write_atomic's temp files (<name>.tmp<pid>) that a kill left: no live job writes here but this one
+    torn = [f for f in os.listdir(output_dir) if re.fullmatch(r".+\.tmp\d+", f) and os.path.isfile(os.path.join(output_dir, f))]
+    for f in torn:
+        os.remove(os.path.join(output_dir, f))
+    if torn:
+        print(f"[setup] {output_dir}: removed {len(torn)} half-written temp file(s) a killed job left: {', '.join(sorted(torn))}")
     return None
 
 

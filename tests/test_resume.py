@@ -295,6 +295,11 @@ def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
         f.write('{"step": 52, "x"')              # a row torn by a kill mid-append
     import checkpoint
     assert [r["step"] for r in checkpoint.trim_metrics(str(path), 40)] == list(range(1, 41))
+    torn = [f for f in os.listdir(tmp_path) if f.startswith("metrics.jsonl.tmp")]
+    assert len(torn) == 1                        # the killed writer's half-written temp file, left behind
+    (tmp_path / "notes.tmp").write_text("a user's file")
+    assert checkpoint.claim_output_dir(str(tmp_path)) is None   # the next job takes the folder and sweeps it
+    assert sorted(os.listdir(tmp_path)) == [".owner.json", "metrics.jsonl", "notes.tmp"]
 
 
 @pytest.mark.launch
