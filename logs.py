@@ -7,17 +7,18 @@ import os
 
 import checkpoint
 
+# Seconds wandb.init may wait for its server before the run goes on offline. wandb's own default is 90 (and
+# 10 more of grace), and every rank waits while rank 0 does (issue 32, item 9). WANDB_INIT_TIMEOUT overrides it.
+WANDB_INIT_TIMEOUT = 30
+
 
 def open_logs(run, resumed):
     """Start wandb (the run id written at the first launch, so a relaunch continues the same run)
     and metrics.jsonl: keep its rows up to the checkpoint (`resumed`; none: start over), atomically."""
-    import wandb
     args = run.args
     on = run.master and args.report_to == "wandb"
-    run.wandb = wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
-                           id=checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if on else None,
-                           resume="allow", mode=("offline" if not os.environ.get("WANDB_API_KEY") else "online")
-                           if on else "disabled")
+    run.wandb = start_wandb(args, wandb_mode() if on else "disabled",
+                            checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if on else None)
     run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if run.master:
         kept = checkpoint.trim_metrics(run.metrics_path, run.start if resumed else -1)
@@ -26,6 +27,35 @@ def open_logs(run, resumed):
         for row in kept if on else []:
             if row["step"] >= run.wandb.step:
                 run.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def wandb_mode():
+    """The mode rank 0's wandb run starts in: WANDB_MODE when the user exported it (an API key does not
+    override it), else online with WANDB_API_KEY set and offline without one."""
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+def start_wandb(args, mode, run_id):
+    """wandb.init in `mode`, for at most WANDB_INIT_TIMEOUT seconds. A start that fails (no network, a bad
+    key, a server that does not answer) is said once and tried again offline, with the same run id so that
+    `wandb sync` later uploads it as this run; an offline start that fails too gives a disabled run."""
+    import wandb
+    timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT))
+    tries = [mode, *{"disabled": [], "offline": ["disabled"]}.get(mode, ["offline", "disabled"])]
+    for now, fallback in zip(tries, tries[1:] + [None]):
+        try:
+            return wandb.init(project=args.wandb_project, name=args.run_name, config=vars(args), dir=args.output_dir,
+                              id=run_id, resume="allow", mode=now, settings=wandb.Settings(init_timeout=timeout))
+        except Exception as e:   # wandb's errors are many (CommError, AuthenticationError, pydantic's for a bad mode)
+            if fallback is None:
+                raise
+            where = f"; `wandb sync {os.path.join(args.output_dir, 'wandb')}` uploads it later" \
+                if fallback == "offline" else "; metrics.jsonl keeps every row"
+            print(f"[wandb] could not start {now} ({type(e).__name__}: {e}); continuing {fallback}{where}", flush=True)
+            try:   # the failed run keeps its id in wandb's service ("run ID ... is in use"): a fresh service
+                wandb.teardown()
+            except (Exception, SystemExit) as e:   # teardown exits with the service's own exit code, if not 0
+                print(f"[wandb] teardown after the failed start: {type(e).__name__}: {e}")
 
 
 def write_metrics(run, m, step):
@@ -51,12 +81,15 @@ def log_completions(run, groups, step):
     if not (run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0):
         return
     import wandb
-    table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs])
+    tools = ["trajectory", "tool image"] if args.tools else []   # --tools: every turn and call, the first image a tool gave
+    table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs, *tools])
     for g in groups:
-        for i, text in enumerate(g.texts):
+        for c in g.completions:
+            trajectory = [run.processor.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                          wandb.Image(c.images[0]) if c.images else None] if args.tools else []
             table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
-                           run.processor.tokenizer.decode(g.sample["vllm_ids"]), text, g.total[i],
-                           *[g.rewards[n][i] for n in args.reward_funcs])
+                           run.processor.tokenizer.decode(g.sample["vllm_ids"]), c.text, c.total,
+                           *[c.rewards[n] for n in args.reward_funcs], *trajectory)
     wandb_call(run, run.wandb.log, {"completions": table}, step=step)
 
 

@@ -256,6 +256,19 @@ def diagnose(exc, phase, last_table):
                       "try, in order:"] + [f"  {i}. {f}" for i, f in enumerate(fixes, 1)])
 
 
+@contextlib.contextmanager
+def oom_report(table):
+    """Around the training loop: an out-of-memory error anywhere exits with report_oom's diagnosis (where, and
+    what to change; exit code 3) instead of a traceback; the checkpoints written so far stay. `table()` gives
+    the step's metrics so far."""
+    try:
+        yield
+    except BaseException as e:
+        if is_oom(e):
+            sys.exit(report_oom(e, table=table()))
+        raise
+
+
 def report_oom(exc, phase=None, table=None):
     """Print diagnose() to stderr and return 3, the exit code. `phase` defaults to the one `phase()`
     tagged the exception with; `table` is the step's metrics so far (phases done, and the failed one)."""

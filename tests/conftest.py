@@ -28,7 +28,8 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (-LONGEST.get(item.name, 0), item.get_closest_marker("launch") is None))
 
 
-ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]   # tiny.ARCHS: the families, for tests parametrized over them
+MOE_ARCHS = ["qwen3_vl_moe", "qwen3_5_moe"]   # the mixture-of-experts families (model.FAMILIES sparse_block)
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", *MOE_ARCHS]   # tiny.ARCHS: the families, for tests parametrized over them
 
 
 def tiny_of(arch="qwen2_5_vl"):
@@ -101,11 +102,11 @@ _ENGINES = {}
 
 @pytest.fixture(scope="session")
 def llm_of(world1):
-    """-> llm_of(arch, path=None): one vLLM engine per family (or model dir) for the whole session, created by
+    """-> llm_of(arch, path=None, flags): one vLLM engine per family (or model dir) for the whole session, created by
     rollout.create_engine exactly as train.py does on each rank (external_launcher, world of one, the
     dtype train.py picks on CPU). An engine cannot be torn down without destroying the process
     group, so each lives until pytest exits (several coexist in one process)."""
-    def make(arch, path=None):
+    def make(arch, path=None, flags=("--max_completion_length", "8")):
         path = path or tiny_of(arch)[0]
         if path not in _ENGINES:
             from transformers import AutoConfig
@@ -113,11 +114,27 @@ def llm_of(world1):
             import model
             import rollout
             import train
-            args = train.parse_args(["--max_completion_length", "8", "--tiny_arch", arch])
+            args = train.parse_args([*flags, "--tiny_arch", arch])
             dtype = "bfloat16" if model.use_bf16(args, AutoConfig.from_pretrained(path), cuda=False) else "float32"
+            if rollout.moe_model(path):
+                expert_group()
             _ENGINES[path] = rollout.create_engine(path, args, dtype, max_num_seqs=64, rank=0)
         return _ENGINES[path]
     return make
+
+
+def expert_group():
+    """vLLM makes its parallel groups once per process, with the first engine, and an expert-parallel group only when
+    that engine's model is a mixture of experts (vllm/distributed/parallel_state.py, initialize_model_parallel); a
+    mixture-of-experts engine after a dense one in the same process then fails ("expert parallel group is not
+    initialized"). train.py starts one engine per process; the tests keep several, so the group of one rank is made
+    here as vLLM would have made it."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        ps._EP = ps.init_model_parallel_group([[world.rank]], world.local_rank, dist.get_backend(world.device_group),
+                                              group_name="ep")
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +165,21 @@ def command(out_dir, flags, procs, env=None, runner=False):
         head = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
                 "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     return [*head, "train.py", "--output_dir", str(out_dir), *ZERO3_SMALL, *flags], env
+
+
+def node_commands(out_dir, flags, nodes=(1, 1), env=None):
+    """-> [(argv, env)], one per simulated node of a job on this machine: DeepSpeed's per-node launcher with
+    --node_rank n and nodes[n] local processes, one master address and port for all, as the `deepspeed` runner
+    starts it on each host of a hostfile (multinode_runner.py, PDSHRunner.get_cmd). The simulated nodes share
+    this machine's /dev/shm, /proc, hostname and folders (docs/resilience.md says what that cannot show)."""
+    import base64
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
+    world = json.dumps({f"node{n}": list(range(k)) for n, k in enumerate(nodes)})
+    head = [sys.executable, "-u", "-m", "deepspeed.launcher.launch",
+            f"--world_info={base64.urlsafe_b64encode(world.encode()).decode()}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}"]
+    return [([*head, f"--node_rank={n}", "train.py", "--output_dir", str(out_dir), *ZERO3_SMALL, *flags], env)
+            for n in range(len(nodes))]
 
 
 def launch(out_dir, *flags, procs=2, timeout=1800, env=None, runner=False):

@@ -1,12 +1,14 @@
 """Bad input: each case gets a clear message naming the file, line or flag, and the run goes on."""
 import json
 import re
+import subprocess
 
 import pytest
 from PIL import Image
 
 import data
 import train
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +216,156 @@ def test_hf_datasets_sources(tmp_path, processor, kind):
     assert len(rows) == 2
     s = data.prepare(rows[1], processor, args_for())
     assert s["images"][0].getpixel((0, 0)) == (0, 128, 0) and s["where"] == f"{path}[1]"
+
+
+def test_an_image_path_that_climbs_out_of_the_image_root_is_refused(tmp_path, processor):
+    """A relative path is read under the image root (--image_root, default: the data file's folder), never
+    above it (`../../..` would read any file the run can); an absolute path stays the user's explicit choice."""
+    (tmp_path / "root" / "sub").mkdir(parents=True)
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "outside.png")
+    Image.new("RGB", (56, 56), (0, 0, 255)).save(tmp_path / "root" / "inside.png")
+    path = write_task(tmp_path / "root", [row("../outside.png"), row("sub/../../outside.png"),
+                                          row("sub/../inside.png"), row(str(tmp_path / "outside.png")),
+                                          row({"path": "../outside.png", "bytes": None})])
+    rows = data.Rows(str(path))
+    for i in (0, 1, 4):
+        with pytest.raises(ValueError, match=r"climbs out of the image root") as e:
+            data.prepare(rows[i], processor, args_for())
+        assert f"{path}:{i + 1}" in str(e.value) and "../outside.png" in str(e.value)
+    assert data.prepare(rows[2], processor, args_for())["images"][0].getpixel((0, 0)) == (0, 0, 255)
+    assert data.prepare(rows[3], processor, args_for())["images"][0].getpixel((0, 0)) == (255, 0, 0)
+    # --image_root: the folder the paths start from is the one they may not leave
+    path = write_task(tmp_path / "root", [row("../inside.png")])
+    with pytest.raises(ValueError, match=r"climbs out of the image root .*/root/sub "):
+        data.prepare(data.Rows(str(path), image_root=str(tmp_path / "root" / "sub"))[0], processor, args_for())
+
+
+def test_a_validation_file_with_no_usable_sample_is_refused(tmp_path, processor):
+    """Every sample of --val_data skipped: a clear error at start naming the file, the count and the first
+    reasons, not a val/reward of 0.0 from no sample at all."""
+    path = write_task(tmp_path, [row("missing.png"), b"{not json\n", row("corrupt.png"), row(7), row("gone.png")])
+    args = args_for("--val_data", str(path))
+    with pytest.raises(SystemExit) as e:
+        data.validation_samples(args, processor, rank=0, world=1)
+    msg = str(e.value)
+    assert f"--val_data {path}" in msg and "all 4 of its samples were skipped" in msg
+    assert msg.index(f"{path}:1: image") < msg.index(f"{path}:3: image") < msg.index(f"{path}:4: image")
+    assert ":5:" not in msg and "(and 1 more, each reported above)" in msg
+    # one usable sample is enough
+    path = write_task(tmp_path, [row("missing.png"), row("ok.png")])
+    assert len(data.validation_samples(args_for("--val_data", str(path)), processor, rank=0, world=1)) == 1
+
+
+def test_no_usable_validation_sample_is_decided_over_all_ranks():
+    """Each rank prepares every world-th sample: a rank without a usable sample of its own is fine while another
+    has one, and when none has, every rank refuses alike, with the first reasons in the file's order."""
+    share = lambda kept, *lines: (kept, len(lines), [(i, f"v.jsonl:{i + 1}: bad") for i in lines])  # noqa: E731
+    assert data.check_validation("v.jsonl", [share(0, 0, 2), share(1, 1)]) is None
+    with pytest.raises(SystemExit) as e:
+        data.check_validation("v.jsonl", [share(0, 0, 2, 4, 6), share(0, 1, 3, 5)])
+    assert "all 7 of its samples were skipped" in str(e.value)
+    assert "v.jsonl:1: bad\n  v.jsonl:2: bad\n  v.jsonl:3: bad\n  (and 4 more" in str(e.value)
+
+
+@pytest.mark.launch
+def test_an_all_bad_validation_file_stops_the_run_at_start(tmp_path):
+    """Two ranks, each with its share of a validation file of unusable samples: both refuse at start, before any
+    validation, and nothing logs a val/reward."""
+    from conftest import FAST, command
+    path = write_task(tmp_path, [row("missing.png"), row("corrupt.png"), row("gone.png")])
+    cmd, env = command(tmp_path / "out", [*FAST, "--val_data", str(path), "--val_only"], procs=2)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode != 0, log[-3000:]
+    assert f"error: --val_data {path} has no usable sample: all 3 of its samples were skipped" in log, log[-3000:]
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert not metrics.exists() or "val/reward" not in metrics.read_text()
+
+
+# ----------------------------------------------------------------------------- issue 32, items 4 and 5: the data position
+def taking(monkeypatch):
+    """PromptStream.next without images or a processor: a prepared sample is its row's id."""
+    monkeypatch.setattr(data, "prepare", lambda r, processor, args: {"id": r["_id"], "empty_image": False})
+
+
+def take(stream, k):
+    """k samples from `stream`, one at a time -> [(epoch it came from, row id)]."""
+    return [(got["id"], stream.epoch)[::-1] for got in (stream.next(1)[0] for _ in range(k))]
+
+
+@pytest.mark.parametrize("old,new,counts", [(2, 1, [5, 4]), (1, 2, [7]), (3, 2, [2, 3, 1]), (2, 3, [6, 5])])
+def test_another_number_of_ranks_goes_on_through_the_epoch_without_repeating_a_row(monkeypatch, old, new, counts):
+    """A checkpoint of `old` ranks resumed on `new`: the new ranks go on through the same epoch's permutation and
+    skip the rows the old ones took (uneven counts: a rank that skipped bad samples; 11 rows of 3 ranks: one rank
+    wraps into epoch 1 first). Every row comes exactly once in epoch 0, over both launches, and epoch 1 is again
+    a whole permutation. Before, a resume on another number of ranks was refused."""
+    taking(monkeypatch)
+    rows = [{"_id": i} for i in range(11)]
+    args = args_for("--seed", "3")
+    before = [data.PromptStream(rows, None, args, r, old) for r in range(old)]
+    taken = [x for s, k in zip(before, counts) for x in take(s, k)]
+    after = [data.PromptStream(rows, None, args, r, new) for r in range(new)]
+    for s in after:
+        s.regroup([b.state() for b in before])
+    while any(s.epoch == 0 for s in after):   # round robin, as the ranks step together, until all are in epoch 1
+        taken += [x for s in after for x in take(s, 1)]
+    assert sorted(i for e, i in taken if e == 0) == list(range(11))
+    assert all(e <= 1 for e, _ in taken)
+    later = [i for e, i in taken if e == 1]
+    assert len(later) == len(set(later))   # epoch 1: no row twice
+    again = [data.PromptStream(rows, None, args, r, new) for r in range(new)]   # the regrouped state saves and loads
+    for s, a in zip(after, again):
+        a.load(s.state())
+        assert a.state() == s.state()
+
+
+def test_regroup_carries_the_counts_and_the_history(monkeypatch):
+    """The skipped and empty-image counts (summed over ranks in the logs) go whole to rank 0, the history (the
+    same on every rank) to every rank."""
+    taking(monkeypatch)
+    rows = [{"_id": i} for i in range(8)]
+    before = [data.PromptStream(rows, None, args_for(), r, 2) for r in range(2)]
+    for s, k in zip(before, (3, 1)):
+        s.skipped, s.empty_images, s.history = k, 2 * k, {"a": [1.0], "b": [0.0]}
+    after = [data.PromptStream(rows, None, args_for(), r, 1) for r in range(1)] + \
+        [data.PromptStream(rows, None, args_for(), r, 3) for r in (1, 2)]
+    for s in after:
+        s.regroup([b.state() for b in before])
+    assert [(s.skipped, s.empty_images) for s in after] == [(4, 8), (0, 0), (0, 0)]
+    assert all(s.history == {"a": [1.0], "b": [0.0]} for s in after)
+
+
+def test_a_sample_is_known_by_its_content_or_its_own_id_wherever_its_row_moves(tmp_path, processor):
+    """Issue 32, item 5: the per-prompt history was keyed by the row number, so after a shuffle of the file it
+    pointed at other samples. A sample's id is now its own "id" field when every row has a distinct one, else
+    a hash of its content; a shuffle or an append keeps every sample's id, and the history still finds them."""
+    lines = [row(f"img{i}.png", solution=["red", "blue"][i % 2]) for i in range(6)]
+    path = write_task(tmp_path, lines)
+    rows = data.Rows(str(path))
+    ids = {rows[i]["image"]: rows[i]["_id"] for i in range(len(rows))}
+    assert len(set(ids.values())) == 6 and all(str(i).startswith("sha1:") for i in ids.values())
+    history = {rows[i]["_id"]: [float(i)] for i in range(len(rows))}   # what train.score keeps
+    import random
+    random.Random(0).shuffle(lines)
+    moved = data.Rows(str(write_task(tmp_path, lines + [row("new.png")])))
+    assert {moved[i]["image"]: moved[i]["_id"] for i in range(6)} == {lines[i]["image"]: ids[lines[i]["image"]]
+                                                                     for i in range(6)}
+    assert [history[moved[i]["_id"]] for i in range(6)] == [[float(int(lines[i]["image"][3]))] for i in range(6)]
+    own = data.Rows(str(write_task(tmp_path, [dict(row("ok.png"), id=f"q{i}") for i in range(3)])))
+    assert [own[i]["_id"] for i in range(3)] == ["q0", "q1", "q2"]
+    twice = data.Rows(str(write_task(tmp_path, [dict(row("ok.png", solution=s), id=7) for s in ("red", "blue")])))
+    assert twice[0]["_id"] != twice[1]["_id"] and str(twice[0]["_id"]).startswith("sha1:")   # a repeated id: content
+    got = data.prepare(own[1], processor, args_for())
+    assert got["id"] == "q1"
+
+
+def test_a_history_saved_by_row_number_is_read_by_sample_id(tmp_path):
+    """A checkpoint from before sample ids keyed the history by row number: it is read with the ids of the rows at
+    those numbers now (right when the file did not change, which such a checkpoint cannot tell)."""
+    rows = data.Rows(str(write_task(tmp_path, [row(f"img{i}.png") for i in range(3)])))
+    stream = data.PromptStream(rows, None, args_for(), 0, 1)
+    stream.load({"epoch": 0, "cursor": 2, "skipped": 0, "history": {0: [1.0], 2: [0.5], 9: [0.0]}})
+    assert stream.history == {rows[0]["_id"]: [1.0], rows[2]["_id"]: [0.5]}
+    saved = stream.state()
+    stream.load(saved)
+    assert stream.history == {rows[0]["_id"]: [1.0], rows[2]["_id"]: [0.5]} and saved["history_by"] == "sample_id"

@@ -14,9 +14,9 @@ def ds_engine(flags, net=None):
                              *flags])
     gas = train.grad_accumulation_steps(args, 1)
     net = net or torch.nn.Linear(4, 3)
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                                       config=model.ds_config(args, gas, 1, bf16=False),
-                                      lr_scheduler=model.lr_schedule(args))
+                                      lr_scheduler=model.lr_schedule(args))   # the trainable ones, as train.py passes
     return engine
 
 
@@ -94,6 +94,36 @@ def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
     assert placed("none")[1] == [] and len(placed("none")[0]) == 4
     assert placed("optimizer") == (["ZeRO-3 params"], [f"ZeRO-3 {k} (static offload)" for k in ("adam_states", "fp32_master", "gradients")])
     assert placed("all")[0] == [] and len(placed("all")[1]) == 4
+
+
+def test_offload_model_with_a_frozen_parameter_is_refused(world1):
+    """DeepSpeed's offload_states of the param shards (what --offload_model runs before each rollout, stage3.py)
+    copies a flat buffer of the trainable parameters' shards, then lays every parameter's shard over it: with a
+    frozen layer, narrow runs past its end. check_args refuses the pair by name, with the way out; the
+    optimizer's offload, which moves the trainable states only, stays allowed. Should a DeepSpeed upgrade make
+    the frozen case pass, the refusal in flags.check_args can go."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    params = [OffloadStateTypeEnum.lp_params]
+    torch.manual_seed(0)
+    whole = ds_engine(["--zero_offload", "none"], torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)))
+    before = weights(whole)
+    whole.offload_states(include=params)   # train.py's call (pinning is a no-op on CPU)
+    whole.reload_states()
+    assert torch.equal(weights(whole), before)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    net[0].requires_grad_(False)   # as --freeze_vision_tower or LoRA's base weights
+    frozen = ds_engine(["--zero_offload", "none"], net)
+    assert frozen.optimizer.lp_param_buffer.numel() == 15 < sum(p.ds_tensor.numel() for p in net.parameters())
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        frozen.offload_states(include=params)
+    base = ["--model", "qwen2.5-vl-7b", "--zero_offload", "none"]
+    for flag in ("--use_peft", "--freeze_vision_tower", "--freeze_projector"):
+        with pytest.raises(SystemExit, match=f"--offload_model with {flag}: .*--offload_optimizer .*--zero_offload optimizer"):
+            train.check_args(train.parse_args([*base, "--offload_model", flag]), 1)
+        train.check_args(train.parse_args([*base, "--offload_optimizer", flag]), 1)
+        train.check_args(train.parse_args(["--model", "qwen2.5-vl-7b", "--zero_offload", "optimizer", flag]), 1)
+    with pytest.raises(SystemExit, match="--use_peft / --freeze_vision_tower: "):
+        train.check_args(train.parse_args([*base, "--offload_model", "--use_peft", "--freeze_vision_tower"]), 1)
 
 
 def test_bf16_gradients_accumulate_in_fp32(world1):
@@ -218,9 +248,11 @@ if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1
     args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
 else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
     widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
-groups = [train.Group(sample=s, token_ids=[[5] * n for n in w], sampler_logps=[[-1.0] * n for n in w], texts=["", ""],
-                      finish_reasons=["stop"] * 2, advantages=[1.0, -1.0]) for s, w in zip(samples, widths)]
-run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, banned=[], device=torch.device("cpu"), rank=rank)
+groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n, text="",
+                                                              finish_reason="stop") for k, n in enumerate(w)])
+          for s, w in zip(samples, widths)]
+run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, sampling=train.grpo.Sampling(),
+                            device=torch.device("cpu"), rank=rank)
 batches = train.micro_batches(run, groups)
 for j, b in enumerate(batches):
     ts = engine(**b["inputs"], chunks=b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel())

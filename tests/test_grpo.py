@@ -104,7 +104,7 @@ def test_zero_spread_group_gives_zero_advantages():
     assert adv[4].item() > 0 > adv[3].item()
     g = torch.tensor([0.0, 1.0, 0.0])
     assert adv[3:].tolist() == pytest.approx(((g - g.mean()) / (g.std() + 1e-4)).tolist())
-    none, _ = grpo.group_advantages(rewards, 3, "none")
+    none, _ = grpo.group_advantages(rewards, 3, scale_rewards="none")
     assert none[3:].tolist() == pytest.approx([-1 / 3, 2 / 3, -1 / 3])
 
 
@@ -120,11 +120,11 @@ def test_chunked_logps_equal_naive(grad, chunks):
     naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     calls = []
     hook = head.register_forward_hook(lambda *a: calls.append(1))
-    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4, chunks=chunks)
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7), chunk_tokens=4, chunks=chunks, with_kept=True)
     hook.remove()
     assert len(calls) == (chunks or 6)
-    chunked, nucleus = ts.logps, ts.log_nucleus
-    assert torch.allclose(chunked, naive, atol=1e-5) and nucleus is None
+    chunked, kept = ts.logps, ts.log_kept
+    assert torch.allclose(chunked, naive, atol=1e-5) and kept is None   # nothing truncated: no kept mass
     if grad:
         g1 = torch.autograd.grad(naive.sum(), hidden)[0]
         g2 = torch.autograd.grad(chunked.sum(), hidden)[0]
@@ -142,9 +142,10 @@ def test_entropy_comes_from_the_same_chunks(grad):
     logits = (head(hidden).float() / 0.7).index_fill(-1, banned, float("-inf"))
     p = torch.softmax(logits, -1)
     naive = -(p * torch.log_softmax(logits, -1).nan_to_num(neginf=0.0)).sum(-1)            # (3, 7)
-    ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4, banned=banned, with_entropy=True)
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())), chunk_tokens=4,
+                          with_entropy=True)
     assert torch.allclose(ts.entropy, naive, atol=1e-5)
-    assert grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=4).entropy is None
+    assert grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7), chunk_tokens=4).entropy is None
     if grad:
         g1 = torch.autograd.grad(naive.sum(), hidden)[0]
         g2 = torch.autograd.grad(ts.entropy.sum(), hidden)[0]
@@ -161,9 +162,11 @@ def test_entropy_bonus_is_subtracted_per_token_and_logged():
     assert (bonus - base).item() == pytest.approx(-0.1 * 15.0 / 5)            # token aggregation: sum / tokens
 
 
-def test_logps_of_the_distribution_the_sampler_drew_from():
-    """Banned ids get probability 0 (vLLM's logit_bias -inf), and with top_p < 1, logps - log_nucleus
-    equals what vLLM's own top-p code (the CPU and PyTorch path) gives as processed log-probs."""
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (0, 0.5), (5, 1.0), (5, 0.8), (1, 1.0), (60, 0.9)])
+def test_logps_of_the_distribution_the_sampler_drew_from(top_k, top_p):
+    """Banned ids get probability 0 (vLLM's logit_bias -inf); with top-k and/or top-p, logps - log_kept equals
+    what vLLM's own truncation code (its CPU and PyTorch path: top-k, then the nucleus of the renormalised rest)
+    gives as processed log-probs, wherever the sampler can draw; logps stay the untruncated distribution's."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False)
@@ -173,18 +176,39 @@ def test_logps_of_the_distribution_the_sampler_drew_from():
         logits = head(hidden).float() / 0.7
     logits[..., banned] = float("-inf")
     full = torch.log_softmax(logits, -1)
-    for top_p in (1.0, 0.9, 0.5):
-        ts = grpo.token_logps(head, hidden, ids, temperature=0.7, chunk_tokens=3, banned=banned, top_p=top_p)
-        logps, nucleus = ts.logps, ts.log_nucleus
-        assert torch.allclose(logps, full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-5)
-        if top_p == 1.0:
-            assert nucleus is None
-            continue
-        processed = torch.log_softmax(apply_top_k_top_p_pytorch(logits.reshape(10, 50).clone(), None,
-                                                                 torch.full((10,), top_p)), -1).view(2, 5, 50)
-        want = processed.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        inside = torch.isfinite(want)              # the sampler only draws tokens inside the nucleus
-        assert inside.any() and torch.allclose((logps - nucleus)[inside], want[inside], atol=1e-5)
+    sampling = grpo.Sampling(temperature=0.7, top_p=top_p, top_k=top_k, banned=tuple(banned.tolist()))
+    ts = grpo.token_logps(head, hidden, ids, sampling, chunk_tokens=3, with_kept=True)
+    assert torch.allclose(ts.logps, full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    if not sampling.truncated:
+        assert ts.log_kept is None
+        return
+    k = torch.full((10,), min(top_k, 50)) if top_k else None   # vLLM's input batch caps k at the vocabulary
+    processed = torch.log_softmax(apply_top_k_top_p_pytorch(logits.reshape(10, 50).clone(), k, torch.full((10,), top_p)
+                                                            if top_p < 1 else None), -1).view(2, 5, 50)
+    want = processed.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    inside = torch.isfinite(want)              # the sampler only draws tokens the truncation keeps
+    assert inside.any() and torch.allclose((ts.logps - ts.log_kept)[inside], want[inside], atol=1e-5)
+    assert (ts.log_kept <= 1e-6).all() and grpo.token_logps(head, hidden, ids, sampling, chunk_tokens=3).log_kept is None
+
+
+def test_sampler_correction_compares_the_truncated_distributions():
+    """At the sampler's weights, with top_p < 1, the trainer's truncated log-probs (logps - log_kept) equal
+    vLLM's processed ones: every ratio is 1. Comparing the untruncated logps instead (the old code) made each
+    ratio the kept mass, below 1, and a sequence's weight its product: ~0.9^n for an n-token completion."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(1, 40, 16)
+    sampling = grpo.Sampling(top_p=0.9)
+    with torch.no_grad():
+        logits = head(hidden).float()[0]
+        ids = torch.softmax(logits, -1).argmax(-1).unsqueeze(0)                 # (1, 40): inside every nucleus
+        ts = grpo.token_logps(head, hidden, ids, sampling, with_kept=True)
+    sampler = ts.logps - ts.log_kept                                            # what vLLM reports for them
+    mask = torch.ones(1, 40)
+    w, m = grpo.sampler_correction(ts.logps - ts.log_kept, sampler, mask, "sequence_mask", cap=3.0)
+    assert w.item() == pytest.approx(1.0) and m["is_ratio_mean"] == pytest.approx(1.0)
+    w_old, _ = grpo.sampler_correction(ts.logps, sampler, mask, "sequence_truncate", cap=3.0)   # like with unlike
+    assert w_old.item() == pytest.approx(ts.log_kept.sum().exp().item()) and w_old.item() < 0.9
 
 
 def test_dr_grpo_divides_by_a_constant():
@@ -244,7 +268,42 @@ def test_sampler_weights_scale_the_policy_term_not_the_kl():
 
 def test_batch_std_comes_from_the_whole_batch():
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
-    local, _ = grpo.group_advantages(rewards, 2, "batch")
-    wider, _ = grpo.group_advantages(rewards, 2, "batch", batch_std=torch.tensor(2.0))
-    assert wider[:2].tolist() == pytest.approx([-0.5 / 2.0001, 0.5 / 2.0001])
+    local, _ = grpo.group_advantages(rewards, 2, scale_rewards="batch")
+    everyone = torch.tensor([0.0, 1.0, 1.0, 1.0, -3.0, 3.0])             # this rank's and another rank's group
+    wider, _ = grpo.group_advantages(rewards, 2, scale_rewards="batch", everyone=everyone)
+    assert wider[:2].tolist() == pytest.approx([-0.5 / (everyone.std().item() + 1e-4), 0.5 / (everyone.std().item() + 1e-4)])
     assert local[0].item() == pytest.approx(-0.5 / (rewards.std().item() + 1e-4))
+    assert grpo.needs_everyone("grpo", "batch") and not grpo.needs_everyone("grpo", "group")
+
+
+def test_rloo_is_the_reward_minus_the_mean_of_the_others():
+    adv, _ = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 2.0]), 4, "rloo")
+    assert adv.tolist() == pytest.approx([1 - 2 / 3, 0 - 1, 0 - 1, 2 - 1 / 3])
+
+
+def test_reinforce_plus_plus_baseline_divides_by_the_global_std_of_the_centred_rewards():
+    """Group mean removed, then divided by the std of every rank's centred rewards (not the raw rewards' std,
+    which --scale_rewards batch uses)."""
+    mine, other = torch.tensor([1.0, 3.0]), torch.tensor([10.0, 10.0, 0.0, 4.0])   # 3 groups of 2 over two ranks
+    everyone = torch.cat([mine, other])
+    centred = torch.tensor([-1.0, 1.0, 0.0, 0.0, -2.0, 2.0])
+    adv, _ = grpo.group_advantages(mine, 2, "reinforce_plus_plus_baseline", everyone=everyone)
+    assert adv.tolist() == pytest.approx([-1 / (centred.std().item() + 1e-4), 1 / (centred.std().item() + 1e-4)])
+    raw, _ = grpo.group_advantages(mine, 2, scale_rewards="batch", everyone=everyone)
+    assert raw[1].item() < adv[1].item()                                  # the raw std (4.3) is larger than 1.5
+    assert grpo.needs_everyone("reinforce_plus_plus_baseline", "group")
+
+
+def test_an_unscored_completion_is_out_of_its_groups_statistics():
+    """NaN: no reward function could score it (train.score's failure flags). Its group's mean and std come from
+    the others, its advantage is 0; a group with fewer than two scored completions has no spread (all 0)."""
+    nan = float("nan")
+    adv, zero = grpo.group_advantages(torch.tensor([1.0, nan, 0.0, nan, nan, 1.0, 0.0, 1.0, 1.0]), 3)
+    g = torch.tensor([1.0, 0.0])
+    assert adv[:3].tolist() == pytest.approx([((g - g.mean()) / (g.std() + 1e-4))[0].item(), 0.0,
+                                              ((g - g.mean()) / (g.std() + 1e-4))[1].item()])
+    assert adv[3:6].tolist() == [0.0, 0.0, 0.0] and zero == pytest.approx(1 / 3)
+    everyone = torch.tensor([1.0, nan, 0.0, nan, nan, 1.0, 0.0, 1.0, 1.0])
+    for est, scale in (("grpo", "batch"), ("rloo", "group"), ("reinforce_plus_plus_baseline", "group")):
+        a, _ = grpo.group_advantages(everyone, 3, est, scale, everyone=everyone)
+        assert torch.isfinite(a).all() and a[1] == 0 and a[3:6].abs().sum() == 0

@@ -48,9 +48,13 @@ def test_lora_adapts_the_language_model_and_only_it_trains(arch):
     trained = [n for n, p in peft.named_parameters() if p.requires_grad]
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert all(".language_model." in n for n in trained)   # the vision tower only with --lora_vision
-    # every default target of every decoder layer got one (Qwen3.5's linear-attention layers have only the MLP ones)
+    # every default target of every decoder layer got one (Qwen3.5's linear-attention layers have only the MLP ones;
+    # a mixture-of-experts layer's are its attention's and its shared expert's: the routed experts are no Linear)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained}
-    assert {"gate_proj", "up_proj", "down_proj"} <= adapted and adapted <= set(args.lora_target_modules)
+    mlp = {"q_proj", "k_proj", "v_proj", "o_proj"} if arch == "qwen3_vl_moe" else {"gate_proj", "up_proj", "down_proj"}
+    assert mlp <= adapted and adapted <= set(args.lora_target_modules)
+    assert not any(".experts." in n for n in trained)
+    assert arch != "qwen3_5_moe" or any(".shared_expert." in n for n in trained)
     a = next(p for n, p in peft.named_parameters() if ".lora_A." in n)
     assert a.shape[0] == 4                                           # --lora_r acts
     layer = next(m for m in peft.modules() if hasattr(m, "get_delta_weight"))

@@ -95,10 +95,10 @@ def assert_one_complete_wandb_run(out_dir, metrics):
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory, tiny_default):
-    """The uninterrupted run of FLAGS that the kill and preemption tests compare with, launched once per
-    pytest run: under `make test`'s two workers the first to need it launches it into the run's shared
-    temp folder and the other waits on the lock (flock: a dead holder's lock is released)."""
+def full_dir(tmp_path_factory, tiny_default):
+    """The folder of the uninterrupted run of FLAGS that the kill and preemption tests compare with, launched
+    once per pytest run: under `make test`'s two workers the first to need it launches it into the run's
+    shared temp folder and the other waits on the lock (flock: a dead holder's lock is released)."""
     import fcntl
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # xdist: <run>/popen-gwN
@@ -108,7 +108,13 @@ def full(tmp_path_factory, tiny_default):
             shutil.rmtree(root / "full", ignore_errors=True)   # a holder that failed or died mid-launch
             launch(root / "full", *FLAGS)
             (root / "full" / "done").touch()
-        return read_metrics(root / "full")
+        return root / "full"
+
+
+@pytest.fixture(scope="module")
+def full(full_dir):
+    """The metrics of the uninterrupted run of FLAGS (full_dir)."""
+    return read_metrics(full_dir)
 
 
 @pytest.mark.launch
@@ -125,15 +131,21 @@ def test_ten_kills_then_resume_exactly(tmp_path, full):
         (lambda log: ready in log and trained(run, 3) and not any("val/reward" in r and r["step"] == 3 for r in rows(run)), None),
         (lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(), "checkpoint-4"),    # 8. mid-save
         (lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5), None),
-        (lambda log: ready in log and (run / "checkpoint-6.tmp").is_dir(), "checkpoint-6"),    # 10. mid-save, last step
+        # 10. the last save, after its last file and before its rename (where a Ctrl-C's SIGKILL, 30 s on, can land)
+        (lambda log: ready in log and (run / "checkpoint-6.tmp" / "trainer_state.json").exists(), "checkpoint-6"),
     ]
     for when, hold in kills:
         start_and_kill(run, when, hold)
     assert not (run / "checkpoint-6").exists()
     out, log = launch(run, *FLAGS)
-    assert "[resume] from" in log and "checkpoint-4: step 4" in log
+    # The last save was killed after its last file (trainer_state.json, the manifest): the .tmp is whole, kept,
+    # and the run goes on from it (it trained steps 5 and 6 again before). No step is left to train, so the
+    # row of that save's own timing, the unbroken run's last, never comes. (The two earlier mid-save kills
+    # land anywhere in the save: before its last file the next launch removes the .tmp, after it keeps it.)
+    assert "checkpoint-6.tmp is whole" in log and f"[resume] from {run / 'checkpoint-6'}: step 6" in log, log[-3000:]
     assert "taking over from a job that is gone" in log   # the SIGKILLed owner's file was left behind
-    assert_same(full, out)
+    assert "reward/mean" not in full[-1] and "val/reward" not in full[-1]   # the unbroken run's row of its last save
+    assert_same(full[:-1], out)
     assert_one_complete_wandb_run(run, out)
     ckpts = sorted(d for d in os.listdir(run) if d.startswith("checkpoint"))
     assert ckpts == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]   # no .tmp left behind
@@ -205,6 +217,57 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
     out, _ = launch(run, *FLAGS)
     assert_same(full, out)
     assert_one_complete_wandb_run(run, out)
+
+
+@pytest.mark.launch
+def test_a_relaunch_with_other_flags_into_a_damaged_run(tmp_path, full_dir):
+    """Issue 32, items 3 and 6, on a copy of the unbroken run (checkpoints 2, 4, 6; lr 1e-3, cosine) whose
+    checkpoint-6 has a shard cut short. --num_generations 8 is refused by name before vLLM or the model
+    start (it resumed silently before). --learning_rate 5e-4 --lr_scheduler_type constant says which file
+    of checkpoint-6 is wrong (the resume crashed on it: "PytorchStreamReader failed reading zip archive"),
+    resumes from checkpoint-4, says both changes and trains steps 5 and 6 at 5e-4 (before: at the saved
+    rate, while trainer_state.json recorded 5e-4)."""
+    import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(full_dir, run, ignore=shutil.ignore_patterns("final_model", "done", "*.log"))
+    shard = run / "checkpoint-6" / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(shard, shard.stat().st_size // 2)
+    cmd, env = command(run, [*FLAGS, "--num_generations", "8"], 2)
+    t = time.time()
+    refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "  --num_generations 4 -> 8: the group size and the batch" in text, text[-3000:]
+    assert "choose another --output_dir" in text and "[setup] torch threads" not in text   # before vLLM and the model
+    print(f"refused after {time.time() - t:.0f} s")
+    assert (run / "checkpoint-6").is_dir() and not (run / "checkpoint-6.damaged").exists()   # a refusal changes nothing
+    rows_, log = launch(run, *FLAGS, "--learning_rate", "5e-4", "--lr_scheduler_type", "constant",
+                        "--no-save_final_model")
+    assert f"[resume] {run / 'checkpoint-6'} is not whole: zero/zero_pp_rank_1_mp_rank_00_optim_states.pt has " in log
+    assert f"[resume] from {run / 'checkpoint-4'}: step 4" in log and (run / "checkpoint-6.damaged").is_dir()
+    assert "[resume] --learning_rate 0.001 -> 0.0005: applied" in log
+    assert "[resume] --lr_scheduler_type cosine -> constant: applied" in log
+    assert [(r["step"], r["train/lr"]) for r in rows_ if "train/lr" in r and r["step"] > 4] == [(5, 5e-4), (6, 5e-4)]
+    assert checkpoint.damage(str(run / "checkpoint-6")) == []
+    assert json.load(open(run / "checkpoint-6" / "trainer_state.json"))["args"]["learning_rate"] == 5e-4
+
+
+@pytest.mark.launch
+def test_a_hang_up_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
+    """SIGHUP to the whole process group, as a closed terminal sends it, killed every process at once with no
+    line in the log (issue 32, item 8). The `deepspeed` command and its launcher still go (SIGHUP's default);
+    the ranks finish the step, write a whole checkpoint of it and exit 75."""
+    import checkpoint
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="hup",
+                   runner=True)
+    while not trained(tmp_path, 1) and p.poll() is None:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGHUP)
+    wait_for_group(p)
+    k = preempted_at(log)
+    text = open(log).read()
+    assert "[preempt] SIGHUP on rank 0: finishing this step" in text, text[-3000:]
+    assert "[preempt] SIGHUP on rank 1: finishing this step" in text
+    assert checkpoint.damage(str(tmp_path / f"checkpoint-{k}")) == []
 
 
 @pytest.mark.launch
@@ -322,7 +385,8 @@ def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
     export = tmp_path / "full" / "final_model"
     assert AutoModelForImageTextToText.from_pretrained(export).config.model_type == arch
     assert AutoProcessor.from_pretrained(export).chat_template
-    r = subprocess.run([sys.executable, "-c", VLLM_GENERATE, str(export), "bfloat16" if arch == "qwen3_5" else "float32"],
+    dtype = "bfloat16" if arch.startswith("qwen3_5") else "float32"   # Qwen3.5 and Qwen3.5-MoE: the GDN kernel's
+    r = subprocess.run([sys.executable, "-c", VLLM_GENERATE, str(export), dtype],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and "GENERATED" in r.stdout, (r.stdout + r.stderr)[-3000:]
 
@@ -464,3 +528,91 @@ def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vll
     diff, effect = (float(x) for x in rest.split("ADAPTER_EFFECT"))
     print(f"adapter: PEFT vs vLLM {diff:.1e}, the adapter's effect {effect:.3f}; merged export vs PEFT logits {float(merged):.1e}")
     assert diff < 1e-4 and effect > 1e-3 and float(merged) < 1e-4, r.stdout
+
+
+# ----------------------------------------------------------------------------- issue 32, item 4: another number of GPUs
+def universal_matches(ckpt):
+    """Every parameter's fp32 weights in ckpt/universal (DeepSpeed's universal checkpoint, made at the resume) are
+    those of ckpt's ZeRO-3 shards, as DeepSpeed's own zero_to_fp32 puts them together. -> how many."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    whole = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="zero")
+    folders = list((ckpt / "universal" / "zero" / "zero").glob("*/fp32.pt"))
+    for f in folders:
+        saved = torch.load(f, weights_only=False)   # ZeRO-3's: the flat tensor (ds_to_universal, merge_zero3_slices)
+        assert torch.equal(saved.flatten(), whole[f.parent.name].flatten()), f.parent.name
+    return len(folders)
+
+
+def rolled_out(ckpt, rank=0):
+    """The ids of every sample rolled out up to `ckpt` (its rewards history: every rank's groups)."""
+    import torch
+    return set(torch.load(ckpt / f"rank{rank}.pt", weights_only=False)["stream"]["history"])
+
+
+@pytest.mark.launch
+def test_a_two_process_run_resumes_on_one_process(tmp_path, full_dir):
+    """Issue 32, item 4: the unbroken two-process run's checkpoint-2, resumed on one process to the end. It was
+    refused ("not supported yet"). Now checkpoint-2 is converted once, before vLLM and the model start, to
+    DeepSpeed's universal checkpoint (its weights those of the ZeRO-3 shards), the run trains steps 3 to 6 at the
+    unbroken run's learning rates, and it rolls out exactly the unbroken run's 96 prompts, none twice: the one
+    process went on through epoch 0's permutation past the 32 rows the two took."""
+    import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(full_dir, run, ignore=shutil.ignore_patterns("final_model", "done", "*.log", "checkpoint-[46]"))
+    t = time.time()
+    out, log = launch(run, *FLAGS, "--no-save_final_model", procs=1)
+    print(f"resumed on one process in {time.time() - t:.0f} s")
+    assert "[resume] checkpoint-2 was saved by 2 ranks and this launch has 1" in log, log[-3000:]
+    assert log.index(f"[resume] converting {run / 'checkpoint-2'}/zero") < log.index("[setup] torch threads")
+    assert f"[resume] from {run / 'checkpoint-2'}: step 2" in log and "whose 32 rows taken so far are skipped" in log
+    assert universal_matches(run / "checkpoint-2") > 50
+    assert checkpoint.damage(str(run / "checkpoint-2")) == []   # its manifest still verifies
+    full = read_metrics(full_dir)
+    lr = lambda rows_: [(r["step"], r["train/lr"]) for r in rows_ if "train/lr" in r and r["step"] > 2]  # noqa: E731
+    assert lr(out) == lr(full) and len(lr(out)) == 4
+    assert all(r["train/loss"] == r["train/loss"] and abs(r["train/loss"]) < 100 for r in out if "train/loss" in r)
+    assert json.load(open(run / "checkpoint-6" / "trainer_state.json"))["world"] == 1
+    ids = rolled_out(run / "checkpoint-6")
+    assert len(ids) == 6 * 16 and ids == rolled_out(full_dir / "checkpoint-6")
+
+
+@pytest.mark.launch
+def test_a_one_process_run_resumes_on_two_processes(tmp_path, tiny_default):
+    """Issue 32, item 4, the reverse: a one-process run SIGKILLed after checkpoint-2, relaunched on two processes.
+    The two ranks load the universal checkpoint made of it and deal the rest of epoch 0's permutation between
+    them, skipping the 32 rows the one process took: the four steps rolled out the permutation's first 64 rows,
+    none twice. The weights trained on from checkpoint-2's."""
+    import numpy as np
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import data
+    flags = [*FAST, "--max_steps", "4", "--save_steps", "2", "--val_freq", "0", "--no-save_final_model"]
+    p, _ = start(tmp_path, flags, procs=1, name="one")
+    while not (tmp_path / "checkpoint-2").is_dir() and p.poll() is None:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    t = time.time()
+    out, log = launch(tmp_path, *flags)
+    print(f"resumed on two processes in {time.time() - t:.0f} s")
+    assert "[resume] checkpoint-2 was saved by 1 ranks and this launch has 2" in log, log[-3000:]
+    assert f"[resume] from {tmp_path / 'checkpoint-2'}: step 2" in log
+    assert universal_matches(tmp_path / "checkpoint-2") > 50
+    assert [r["step"] for r in out if "train/loss" in r] == [1, 2, 3, 4]
+    state = json.load(open(tmp_path / "checkpoint-4" / "trainer_state.json"))
+    assert state["world"] == 2 and checkpoint_whole(tmp_path / "checkpoint-4")
+    rows = data.Rows(state["args"]["train_data"])
+    first = np.random.default_rng(state["args"]["seed"]).permutation(len(rows))[:64]
+    assert rolled_out(tmp_path / "checkpoint-4") == rolled_out(tmp_path / "checkpoint-4", 1) == \
+        {rows[i]["_id"] for i in first}
+    before, after = (get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"checkpoint-{k}"), tag="zero")
+                     for k in (2, 4))
+    assert all(torch.isfinite(w).all() for w in after.values()) and any(not torch.equal(before[k], after[k])
+                                                                        for k in before)
+
+
+def checkpoint_whole(ckpt):
+    import checkpoint
+    return checkpoint.damage(str(ckpt)) == []

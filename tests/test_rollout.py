@@ -32,6 +32,9 @@ FAMILY_VOCABS = {
                 "<tool_response>", "</tool_response>", "<think>", "</think>"]] + [(t, True) for t in _AUDIO],
                 [248046, 248044], "qwen3.5-9b", 262),
 }
+# the mixture-of-experts families: their dense family's tokenizer and vocabulary, their own config.json's token ids
+FAMILY_VOCABS["qwen3_vl_moe"] = (*FAMILY_VOCABS["qwen3_vl"][:4], "qwen3-vl-30b-a3b", FAMILY_VOCABS["qwen3_vl"][5])
+FAMILY_VOCABS["qwen3_5_moe"] = (*FAMILY_VOCABS["qwen3_5"][:4], "qwen3.5-35b-a3b", FAMILY_VOCABS["qwen3_5"][5])
 QWEN_TOKENS, QWEN_ROWS = FAMILY_VOCABS["qwen2_5_vl"][:2]
 
 
@@ -133,7 +136,7 @@ def test_too_many_banned_ids_are_refused_before_launch(qwen_sized_tokenizer):
         rollout.banned_token_ids(qwen_sized_tokenizer, QWEN_TOKENS + 2000)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_engine_budget_follows_max_pixels(arch):
     """vLLM's own config and each family's processing info, as the engine would build them: the
     largest image it profiles and budgets for is --max_pixels (4 tokens of the family's grid here),

@@ -7,6 +7,7 @@ import math
 import os
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,7 +49,9 @@ class FakeLLM:
 class FakeEngine:
     """Stands in for the DeepSpeed engine: a unigram policy (one logit per token id) under SGD,
     stepping at the gradient-accumulation boundary (the one set, as DeepSpeed's set_gradient_accumulation_boundary
-    overrides its count) and scaling the loss by 1/gas as DeepSpeed does."""
+    overrides its count) and scaling the loss by 1/gas as DeepSpeed does. Its forward takes exactly what
+    model.logps_forward takes (an unknown keyword is a TypeError, as there) and computes its statistics with
+    the real grpo.token_logps under the given Sampling record."""
     def __init__(self, vocab, gas, lr=1.0):
         self.module = torch.nn.Module()
         self.module.w = torch.nn.Parameter(torch.zeros(vocab))
@@ -59,13 +62,22 @@ class FakeEngine:
     def set_gradient_accumulation_boundary(self, is_boundary):
         self.boundary = is_boundary
 
-    def __call__(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk_tokens=None, banned=None,
-                 top_p=1.0, with_entropy=False, chunks=None, **mm):
+    def __call__(self, **kw):
+        import inspect
+
+        import model
+        bound = inspect.signature(model.logps_forward).bind(None, **kw).arguments   # a missed or misspelt hop fails here
+        unknown = set(bound.get("mm", {})) - set(model.MM_INPUTS) - set(model.PREFIX_INPUTS)
+        if unknown:
+            raise TypeError(f"FakeEngine: {sorted(unknown)} are not inputs of model.logps_forward")
         self.forwards += 1
-        C = completion_mask.shape[1]
-        logp = torch.log_softmax((self.module.w / temperature).index_fill(0, banned, float("-inf")), -1)   # (V,)
-        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum().expand(completion_mask.shape)         # (B, C)
-        return grpo.TokenStats(logp[input_ids[:, -C:]], None, entropy if with_entropy else None)   # no nucleus
+        cmask, targets = kw["completion_mask"], kw.get("targets")   # targets: the shared prefix's layout (data.collate_prefix)
+        ids = targets if targets is not None else kw["input_ids"][:, -cmask.shape[1]:]
+        ts = grpo.token_logps(lambda h: h * self.module.w, torch.ones(*cmask.shape, 1), ids, kw["sampling"],
+                              with_entropy=kw.get("with_entropy", False), with_kept=kw.get("with_kept", False),
+                              chunks=kw.get("chunks"))
+        ts.logps = ts.logps.masked_fill(cmask == 0, 0.0)   # as logps_forward: 0 outside a completion
+        return ts
 
     def backward(self, loss):
         (loss / self.gas).backward()
@@ -132,10 +144,20 @@ def make_run(parts, tmp_path, **flags):
     run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
                     engine=FakeEngine(len(processor.tokenizer), gas), ref_engine=None,
                     llm=FakeLLM(processor.tokenizer, colour_answer(processor.tokenizer)), processor=processor,
-                    stream=FakeStream(pool[4:]), val_samples=samples, banned=banned,
+                    stream=FakeStream(pool[4:]), val_samples=samples, sampling=train.sampling_of(args, banned),
                     pad_id=processor.tokenizer.pad_token_id, metrics_path=str(tmp_path / "metrics.jsonl"),
                     wandb=types.SimpleNamespace(log=lambda *a, **k: None, id="fake"))
     return run, samples
+
+
+def groups_of(samples, lengths, advantages=None, logp=-1.0):
+    """Groups of completions of the given lengths (token 5 repeated), sampled at log-prob `logp`, scored (total
+    0), with the given advantages per group (default: 1, -1, 0.5, -0.5 in each)."""
+    advantages = advantages or [[1.0, -1.0, 0.5, -0.5]] * len(samples)
+    return [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[logp] * n, text="",
+                                                                finish_reason="stop", total=0.0, advantage=a)
+                                               for k, (n, a) in enumerate(zip(ls, adv))])
+            for s, ls, adv in zip(samples, lengths, advantages)]
 
 
 # ----------------------------------------------------------------------------- flags (set-up's pure part)
@@ -155,7 +177,8 @@ def test_parse_args_tiny_defaults_only_without_model():
     assert not tiny.gradient_checkpointing and tiny.max_steps == 300
     real = train.parse_args(["--model", "some/dir"])
     assert real.learning_rate == 1e-6 and real.max_completion_length == 512 and real.reward_funcs == ["accuracy", "format"]
-    assert real.gradient_checkpointing and real.lr_scheduler_type == "constant" and not real.shared_prefix
+    assert real.gradient_checkpointing and real.lr_scheduler_type == "constant" and real.shared_prefix   # where it can
+    assert not train.parse_args(["--model", "some/dir", "--no-shared_prefix"]).shared_prefix
     assert (tiny.rollout_batch_size, tiny.beta) == (32, 0.0)   # the colour demo's (TINY_TASKS)
     explicit = train.parse_args(["--learning_rate", "0.5"])          # an explicit flag wins over the tiny default
     assert explicit.learning_rate == 0.5 and explicit.max_completion_length == 1
@@ -191,8 +214,9 @@ def test_importing_train_parses_nothing(monkeypatch):
 def test_rollout_gives_one_group_per_prompt(parts, tmp_path):
     run, samples = make_run(parts, tmp_path)
     groups = train.rollout_groups(run, samples, step=1)
-    assert len(groups) == len(samples) and all(len(g.token_ids) == G for g in groups)
-    assert groups[0].texts == ["red", "red", "blue", "blue"] and groups[0].sampler_logps[0] == [-1.0]
+    assert len(groups) == len(samples) and all(len(g.completions) == G for g in groups)
+    assert [c.text for c in groups[0].completions] == ["red", "red", "blue", "blue"]
+    assert groups[0].completions[0].sampler_logps == [-1.0] and [c.index for c in groups[0].completions] == [0, 1, 2, 3]
     assert groups[2].sample is samples[2]
     (reqs,) = run.llm.requests
     assert [r["prompt_token_ids"] for r in reqs] == [s["vllm_ids"] for s in samples]
@@ -219,15 +243,45 @@ def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkey
     train.score(run, groups)
     for g in groups:
         right = g.sample["columns"]["solution"]
-        assert g.rewards["accuracy"] == [float(t == right) for t in g.texts]
-        assert g.failed["picky"] == [False, False, True, True] and g.failed["accuracy"] == [False] * G
-        assert g.total == [a + 0.5 * p for a, p in zip(g.rewards["accuracy"], g.rewards["picky"])]
+        for c in g.completions:
+            assert c.rewards["accuracy"] == float(c.text == right) and c.failed["accuracy"] is False
+            assert c.failed["picky"] is (c.index >= 2) and c.scored is (c.index < 2)
+            assert c.total == c.rewards["accuracy"] + 0.5 * c.rewards["picky"]
+
+
+def test_a_completion_no_reward_could_score_is_out_of_its_group_and_the_loss(parts, tmp_path, monkeypatch):
+    """A reward that raises or gives None/NaN for a completion: that completion is counted (reward/<name>_failures),
+    left out of its group's mean and std (its advantage 0) and out of the loss (its loss mask zeroed), and a group
+    whose every completion failed carries nothing. Before, it scored 0, and that 0 entered its group's statistics
+    as if a reward had said so."""
+    run, samples = make_run(parts, tmp_path)
+    fail = {(0, 2), (0, 3)} | {(1, k) for k in range(G)}      # group 0: two of four; group 1: all
+    groups = train.rollout_groups(run, samples, step=1)
+
+    def picky(completions, **kw):   # fails where `fail` says: score passes the completions group by group, in order
+        return [None if (k // G, k % G) in fail else 1.0 for k in range(len(completions))]
+    monkeypatch.setitem(train.reward.REWARDS, "picky", picky)
+    run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], None
+    train.score(run, groups)
+    batches = train.micro_batches(run, groups)
+    train.advantages(run, groups, {})
+    g0 = groups[0].completions
+    assert [c.scored for c in g0] == [True, True, False, False] and not any(c.scored for c in groups[1].completions)
+    want = grpo.group_advantages(torch.tensor([c.total for c in g0[:2]]), 2)[0].tolist()
+    assert [c.advantage for c in g0] == pytest.approx(want + [0.0, 0.0])
+    assert all(c.advantage == 0.0 for c in groups[1].completions)
+    for b in batches:
+        for j, c in enumerate(b["completions"]):
+            assert bool(b["inputs"]["completion_mask"][j].any()) == c.scored
+    m = {}
+    train.log_step(run, 1, m, groups, {"train/kl": 0.0})
+    assert m["reward/picky_failures"] == 2 + G and m["reward/picky"] == 1.0
 
 
 # ----------------------------------------------------------------------------- the hook, advantages, micro-batches
 def drop_zero_spread(run, groups, step, m):
     """The example filter (DAPO-style): groups whose completions all scored the same carry no signal."""
-    keep = [g for g in groups if max(g.total) > min(g.total)]
+    keep = [g for g in groups if max(g.totals) > min(g.totals)]
     m["filter/dropped"] = len(groups) - len(keep)
     return keep
 
@@ -242,10 +296,10 @@ def test_a_filter_at_the_hook_drops_zero_spread_groups(parts, tmp_path, monkeypa
     # red/red/blue/blue: zero spread exactly where the answer is neither red nor blue
     spread = [g for g in groups if g.sample["columns"]["solution"] in ("red", "blue")]
     assert kept == spread and m["filter/dropped"] == len(groups) - len(spread)
-    train.advantages(run, kept)
+    train.advantages(run, kept, {})
     batches = train.micro_batches(run, kept)
-    assert sum(b["inputs"]["input_ids"].shape[0] for b in batches) == len(kept) * G
-    assert all(b["advantages"].abs().sum() > 0 for b in batches)
+    assert sum(b["inputs"]["completion_mask"].shape[0] for b in batches) == len(kept) * G
+    assert all(sum(abs(c.advantage) for c in b["completions"]) > 0 for b in batches)
 
 
 @pytest.mark.parametrize("rounds", [4, 1])
@@ -256,7 +310,7 @@ def test_dynamic_sampling_replaces_zero_spread_groups(parts, tmp_path, rounds):
     train.score(run, groups)
     m = {}
     kept = train.filter_groups(run, groups, 1, m)
-    spread = lambda g: max(g.total) > min(g.total)   # noqa: E731
+    spread = lambda g: max(g.totals) > min(g.totals)   # noqa: E731
     assert len(kept) == run.per_rank == 4
     pool = [s["columns"]["solution"] for s in parts[3]]
     if rounds == 4:   # 2 of the first 4 prompts have a spread; the next 4 bring at least 2 more
@@ -272,40 +326,38 @@ def test_advantages_are_per_group(parts, tmp_path):
     run, samples = make_run(parts, tmp_path)
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
-    zero_spread = train.advantages(run, groups)
+    m = {}
+    train.advantages(run, groups, m)
     for g in groups:
-        expected = grpo.group_advantages(torch.tensor(g.total), G, "group")[0].tolist()
-        assert g.advantages == pytest.approx(expected)
-    assert zero_spread == sum(max(g.total) == min(g.total) for g in groups) / len(groups)
+        expected = grpo.group_advantages(torch.tensor(g.totals), G)[0].tolist()
+        assert [c.advantage for c in g.completions] == pytest.approx(expected)
+    assert m["reward/zero_spread_groups"] == sum(max(g.totals) == min(g.totals) for g in groups) / len(groups)
 
 
 def test_micro_batches_carry_what_the_update_needs(parts, tmp_path):
     run, samples = make_run(parts, tmp_path, per_device_train_batch_size=8)
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
-    train.advantages(run, groups)
+    train.advantages(run, groups, {})
     batches = train.micro_batches(run, groups)
     assert len(batches) == len(samples) * G // 8
     b = batches[1]
-    assert b["inputs"]["completion_mask"].shape == (8, 1) and b["advantages"].shape == (8,)
-    assert b["advantages"].tolist() == pytest.approx(groups[2].advantages + groups[3].advantages)
-    assert b["sampler_logps"].tolist() == [[-1.0]] * 8
+    assert b["inputs"]["completion_mask"].shape == (8, 1) and b["completions"] == groups[2].completions + groups[3].completions
+    assert set(b) == {"inputs", "completions", "chunks", "vision_calls"}   # a layout: every value lives on the records
 
 
 def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
     """No global padding: sequences sorted by length share micro-batches, each padded to its own longest
     completion, so one 20-token answer widens only its own; each micro-batch takes the log-prob chunks
     its tokens need (the most over ranks), and the update logs the padded share of what it processed."""
-    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=4, logprob_chunk_tokens=8)
+    run, samples = make_run(parts, tmp_path, per_device_train_batch_size=4, logprob_chunk_tokens=8, shared_prefix=False)
     lengths = [[3, 1, 20, 2], [1, 1, 2, 3], [2, 2, 1, 1], [3, 2, 1, 1]]
-    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-1.0] * n for n in ls],
-                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[float(10 * i + j) for j in range(G)])
-              for i, (s, ls) in enumerate(zip(samples, lengths))]
+    groups = groups_of(samples, lengths, [[float(10 * i + j) for j in range(G)] for i in range(len(samples))])
     batches = train.micro_batches(run, groups)
     widths = [b["inputs"]["completion_mask"].shape[1] for b in batches]
     assert widths == [1, 2, 2, 20] and [b["chunks"] for b in batches] == [1, 1, 1, 10]
-    assert sorted(a for b in batches for a in b["advantages"].tolist()) == sorted(a for g in groups for a in g.advantages)
-    assert batches[-1]["advantages"].tolist()[-1] == 2.0 and batches[-1]["sampler_logps"][-1].tolist() == [-1.0] * 20
+    assert sorted(id(c) for b in batches for c in b["completions"]) == sorted(id(c) for g in groups for c in g.completions)
+    assert batches[-1]["completions"][-1] is groups[0].completions[2]   # the 20-token answer, last
     padded = sum(b["inputs"]["completion_mask"].numel() for b in batches)
     assert padded == 4 * (1 + 2 + 2 + 20) < 16 * 20   # the step's longest everywhere: 320 tokens
     stats = train.update(run, batches, {})
@@ -320,11 +372,9 @@ def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
     completion) fits the budget; the one long answer goes alone; and the update steps the optimizer once
     per iteration, at the last micro-batch, whatever their count."""
     prompt = parts[2][0]["hf"]["input_ids"].shape[1]
-    run, samples = make_run(parts, tmp_path, micro_batch_tokens=6 * (prompt + 2))
+    run, samples = make_run(parts, tmp_path, micro_batch_tokens=6 * (prompt + 2), shared_prefix=False)   # as set-up decides
     lengths = [[1, 1, 100, 2], [1, 1, 2, 2], [2, 2, 1, 1], [2, 2, 1, 1]]
-    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-1.0] * n for n in ls],
-                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[1.0, -1.0, 0.5, -0.5])
-              for s, ls in zip(samples, lengths)]
+    groups = groups_of(samples, lengths)
     batches = train.micro_batches(run, groups)
     shapes = [tuple(b["inputs"]["completion_mask"].shape) for b in batches]
     assert shapes == [(6, 1), (6, 2), (3, 2), (1, 100)], (shapes, prompt)   # 8 ones, 7 twos, one of 100 alone
@@ -338,22 +388,24 @@ def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
 def test_old_and_ref_logps_only_when_needed(parts, tmp_path):
     run, samples = make_run(parts, tmp_path, num_iterations=1)
     groups = train.rollout_groups(run, samples, step=1)
-    train.score(run, groups), train.advantages(run, groups)
+    train.score(run, groups)
     batches = train.micro_batches(run, groups)
     train.old_ref_logps(run, batches)
-    assert run.engine.forwards == 0 and batches[0]["old_logps"] is None and batches[0]["ref_logps"] is None
+    c = batches[0]["completions"][0]
+    assert run.engine.forwards == 0 and c.old_logps is None and c.ref_logps is None
     run.args.num_iterations, run.ref_engine = 2, FakeEngine(len(parts[0].tokenizer), 1)
     train.old_ref_logps(run, batches)
     assert run.engine.forwards == len(batches) and run.ref_engine.forwards == len(batches)
-    assert batches[0]["old_logps"].shape == batches[0]["inputs"]["completion_mask"].shape
+    assert c.old_logps.shape == c.ref_logps.shape == (len(c.token_ids),)   # on the record, its own length
 
 
 def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     run, samples = make_run(parts, tmp_path)
     groups = train.rollout_groups(run, samples, step=1)
-    train.score(run, groups), train.advantages(run, groups)
+    train.score(run, groups)
     batches = train.micro_batches(run, groups)
     train.old_ref_logps(run, batches)
+    train.advantages(run, groups, {})
     tok = parts[0].tokenizer
     red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
     m = {}
@@ -365,7 +417,7 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/entropy", "train/grad_norm", "train/lr",
                           "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac", "update/padded_frac"}
     assert 0 < stats["train/entropy"] <= math.log(len(tok))   # the fake's unigram policy, token-weighted
-    uniform = -math.log(len(tok) - len(run.banned))          # the fake policy before the step, banned ids excluded
+    uniform = -math.log(len(tok) - len(run.sampling.banned))   # the fake policy before the step, banned ids excluded
     assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
     assert stats["rollout/logp_diff_mean"] == pytest.approx(abs(-1.0 - uniform))
     assert m["sampling/is_ratio_max"] == pytest.approx(math.exp(uniform + 1.0))   # one-token completions
@@ -394,9 +446,10 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
         run.llm = FakeLLM(tok, lambda request, k: answers[k], logprob=lambda k: -8.0 if k % 2 else -1.0)
         run.engine = FakeEngine(len(tok), run.gas, lr=100.0)   # the 2nd iteration's ratio is far from 1
         groups = train.rollout_groups(run, samples, step=1)
-        train.score(run, groups), train.advantages(run, groups)
+        train.score(run, groups)
         batches = train.micro_batches(run, groups)
         train.old_ref_logps(run, batches)
+        train.advantages(run, groups, {})
         train.update(run, batches, {})
         policies.append(run.engine.module.w.detach().clone())
     assert any(p.abs().max() > 1e-3 for p in policies)
@@ -405,16 +458,83 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
             assert not torch.allclose(policies[i], policies[j], atol=1e-7), f"{LOSS_FLAGS[i]} gives the same step as {LOSS_FLAGS[j]}"
 
 
+def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(parts, tmp_path):
+    """--kl_in_reward: each completion's total loses beta x its summed log pi_old - log pi_ref (k1) before the
+    advantages, by hand on the fake unigram policies (the reference prefers red); the loss then has no KL term
+    (train/kl 0) and reward/kl_penalty is logged. Without the flag the advantages are the rewards' alone and the
+    loss carries the k3 KL: the flag changes both."""
+    tok = parts[0].tokenizer
+    red = tok.convert_tokens_to_ids("red")
+    out = {}
+    for flag in (False, True):
+        run, samples = make_run(parts, tmp_path / str(flag), beta=0.1, kl_in_reward=flag)
+        run.ref_engine = FakeEngine(len(tok), 1)
+        run.ref_engine.module.w.data[red] = 2.0
+        groups = train.rollout_groups(run, samples, step=1)
+        train.score(run, groups)
+        batches = train.micro_batches(run, groups)
+        train.old_ref_logps(run, batches)
+        m = {}
+        train.advantages(run, groups, m)
+        out[flag] = groups, m, train.update(run, batches, m)
+    allowed = len(tok) - len(run.sampling.banned)
+    old = -math.log(allowed)                                        # the policy: uniform over the allowed ids
+    ref = {True: 2.0 - math.log(math.exp(2.0) + allowed - 1), False: -math.log(math.exp(2.0) + allowed - 1)}
+    groups, m, stats = out[True]
+    for g in groups:
+        penalty = [0.1 * (old - ref[c.token_ids == [red]]) for c in g.completions]
+        assert [c.kl_penalty for c in g.completions] == pytest.approx(penalty, abs=1e-6)
+        want = grpo.group_advantages(torch.tensor([c.total - p for c, p in zip(g.completions, penalty)]), G)[0]
+        assert [c.advantage for c in g.completions] == pytest.approx(want.tolist(), abs=1e-5)
+    assert m["reward/kl_penalty"] == pytest.approx(np.mean([c.kl_penalty for g in groups for c in g.completions]))
+    assert stats["train/kl"] == 0.0 and out[False][2]["train/kl"] > 0 and "reward/kl_penalty" not in out[False][1]
+    assert [c.advantage for g in out[False][0] for c in g.completions] != \
+        pytest.approx([c.advantage for g in groups for c in g.completions])
+    with pytest.raises(SystemExit, match="--kl_in_reward with --beta 0"):
+        train.check_args(train.parse_args(["--kl_in_reward", "--beta", "0"]), 1)
+
+
+def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_path):
+    """--top_k 5 --top_p 0.9 --temperature 0.8, one grpo.Sampling record: vLLM's SamplingParams get them, and the
+    trainer's log-probs of the truncated distribution at the sampler's weights equal what the sampler reports
+    (here: vLLM's own truncation code on the fake policy's logits), so rollout/logp_diff_max is ~0 and every
+    importance ratio is 1. Before, the correction compared the trainer's untruncated log-probs with the
+    sampler's truncated ones: each ratio was the kept mass (a fork's --top_k 5 run logged is_ratio_mean 0.066)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+    tok = parts[0].tokenizer
+    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
+    run, samples = make_run(parts, tmp_path, top_k=5, top_p=0.9, temperature=0.8)
+    w = run.engine.module.w.data
+    others = [i for i in range(len(tok)) if i not in (red, blue) and i not in run.sampling.banned][:4]
+    w[red], w[blue], w[others] = 3.0, 2.9, torch.tensor([2.5, 2.4, 2.3, 2.2])   # no tie at the 5th logit
+    logits = (w / 0.8).index_fill(0, torch.tensor(run.sampling.banned), float("-inf")).unsqueeze(0)
+    full = torch.log_softmax(logits, -1)[0]
+    processed = torch.log_softmax(apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([5]), torch.tensor([0.9])), -1)[0]
+    assert processed[red] > full[red] + 0.1                         # the truncation matters here
+    run.llm = FakeLLM(tok, colour_answer(tok), logprob=lambda k: processed[red if k < 2 else blue].item())
+    groups = train.rollout_groups(run, samples, step=1)
+    assert {(sp.top_k, sp.top_p, sp.temperature) for sp in run.llm.params[0]} == {(5, 0.9, 0.8)}
+    train.score(run, groups)
+    batches = train.micro_batches(run, groups)
+    train.old_ref_logps(run, batches)
+    train.advantages(run, groups, {})
+    m = {}
+    stats = train.update(run, batches, m)
+    assert m["rollout/logp_diff_max"] < 1e-5 and stats["rollout/logp_diff_mean"] < 1e-5
+    assert m["sampling/is_ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["sampling/is_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert groups[0].completions[0].old_logps.item() == pytest.approx(full[red].item(), abs=1e-6)   # pi_old: untruncated
+
+
 def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypatch):
     """score keeps each sample's last rewards by its stable id (its row in the data); select_prompts' docstring's
     curriculum, pasted into select_prompts, then rolls out only the prompts not yet solved."""
     run, samples = make_run(parts, tmp_path)
-    assert [s["id"] for s in samples] == [0, 1, 2, 3]       # data.Rows: the row in the source
+    assert len({s["id"] for s in samples}) == 4              # data.Rows: each sample's stable identity
     run.stream = FakeStream(samples)
     groups = train.rollout_groups(run, train.select_prompts(run, step=1), step=1)
     train.score(run, groups)
-    assert run.stream.history == {g.sample["id"]: list(g.total) for g in groups}
-    solved = {0, 2}
+    assert run.stream.history == {g.sample["id"]: g.totals for g in groups}
+    solved = {samples[0]["id"], samples[2]["id"]}
     run.stream.history.update({i: [1.0] * G for i in solved})   # as if every generation had been right
 
     def curriculum(run, step):   # train.select_prompts' docstring (README: "A paper change in one place")
@@ -436,8 +556,8 @@ def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch
     run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], None
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
-    m = {"time/rollout": 1.5}
-    train.log_step(run, 3, m, groups, {"train/loss": 0.1, "train/kl": 0.0}, zero_spread=0.5)
+    m = {"time/rollout": 1.5, "reward/zero_spread_groups": 0.5}
+    train.log_step(run, 3, m, groups, {"train/loss": 0.1, "train/kl": 0.0})
     (row,) = [json.loads(line) for line in open(run.metrics_path)]
     assert row["step"] == 3 and row["reward/picky_failures"] == 2 * len(samples)   # a count, not a mean
     assert row["reward/zero_spread_groups"] == 0.5 and row["train/loss"] == 0.1 and row["time/rollout"] == 1.5
@@ -452,7 +572,20 @@ def test_each_metric_states_its_reduction_where_it_is_made():
         pass
     assert ranks.reduction(m["time/update"]) == "max" and ranks.reduction(m["mem/update/host_avail_gb"]) == "min"
     assert ranks.reduction(m["mem/update/host_rss_gb"]) == "max"
-    assert [ranks.reduction(v) for v in (ranks.Sum(3), ranks.Max(1.0), ranks.Min(2), 0.5)] == ["sum", "max", "min", "mean"]
+    assert [ranks.reduction(v) for v in (ranks.Sum(3), ranks.Max(1.0), ranks.Min(2), 0.5, ranks.Mean(0.5, 7))] == \
+        ["sum", "max", "min", "mean", "mean"]
+
+
+def test_validation_scores_like_training(parts, tmp_path):
+    """validate builds the reward columns as score does (train.reward_inputs): length_penalty reads each
+    completion's length and the limit, so a 1-token answer at --max_completion_length 1 scores -1 (it raised
+    inside validation, silently scored 0, before)."""
+    run, samples = make_run(parts, tmp_path, reward_funcs=["accuracy", "length_penalty"], max_completion_length=1)
+    m = train.validate(run, step=1, m={})
+    assert m["val/length_penalty"] == -1.0
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    assert all(c.rewards["length_penalty"] == -1.0 and c.scored for g in groups for c in g.completions)
 
 
 def test_validate_syncs_generates_greedily_and_logs(parts, tmp_path):
@@ -518,10 +651,12 @@ def _two_rank_worker(rank, port, out_dir):
     result["tp_expected"] = [s["vllm_ids"] for s in samples]
     # --scale_rewards batch: the std of the whole batch, both ranks' rewards
     mine = [[0.0, 1.0], [0.0, 3.0]] if rank == 0 else [[5.0, 5.0], [0.0, 10.0]]
-    groups = [train.Group(sample={}, token_ids=[], sampler_logps=[], texts=[], finish_reasons=[], total=r) for r in mine]
+    groups = [train.Group(sample={}, completions=[train.Completion(index=k, token_ids=[], sampler_logps=[], text="",
+                                                                    finish_reason="stop", total=v) for k, v in enumerate(r)])
+              for r in mine]
     run.args.scale_rewards, run.args.num_generations, run.world = "batch", 2, 2
-    train.advantages(run, groups)
-    result["advantages"] = [a for g in groups for a in g.advantages]
+    train.advantages(run, groups, {})
+    result["advantages"] = [c.advantage for g in groups for c in g.completions]
     try:   # e.g. one rank with an extra micro-batch: every rank raises, naming the invariant
         ranks.check_same("micro-batches per step and padded completion length", [4 + rank, 12], torch.device("cpu"))
     except RuntimeError as e:
@@ -529,10 +664,27 @@ def _two_rank_worker(rank, port, out_dir):
     # each metric combines over ranks by the rule its producer stated
     result["reduced"] = ranks.reduce_metrics({"n": ranks.Sum(1 + rank), "t": ranks.Max(rank), "free": ranks.Min(5 - rank),
                                               "mean": 1.0 + 2 * rank}, torch.device("cpu"))
-    try:   # a metric that one rank logs and the other does not
+    try:   # a metric that the two ranks reduce differently
         ranks.reduce_metrics({"x": 1.0} if rank else {"x": ranks.Sum(1)}, torch.device("cpu"))
     except RuntimeError as e:
         result["metric_error"] = str(e)
+    # metrics only some ranks log: the others hold none of them; a Mean weighs each rank by its count
+    result["partial"] = ranks.reduce_metrics({"x": ranks.Mean(1.0, 3), "both": ranks.Mean(0.0, 1)} if rank == 0 else
+                                             {"y": ranks.Sum(2), "both": ranks.Mean(1.0, 3), "none": ranks.Mean(5.0, 0)},
+                                             torch.device("cpu"))
+    # the mean reward per data source (a "source" field of the rows), over every rank's completions: rank 0 holds
+    # source a [1, 0] and b [0, 0], rank 1 a [1, 1] and a [1, 0]: a is 4/6 (the mean of the ranks' means is 0.625)
+    totals = [("a", [1.0, 0.0]), ("b", [0.0, 0.0])] if rank == 0 else [("a", [1.0, 1.0]), ("a", [1.0, 0.0])]
+    groups = [train.Group(sample={"columns": {"source": src}}, completions=[
+        train.Completion(index=k, token_ids=[5], sampler_logps=[-1.0], text="", finish_reason="stop", total=v,
+                         rewards={"accuracy": v}, failed={"accuracy": False}) for k, v in enumerate(t)]) for src, t in totals]
+    run = types.SimpleNamespace(args=train.parse_args(["--reward_funcs", "accuracy"]), device=torch.device("cpu"),
+                                stream=types.SimpleNamespace(skipped=0, empty_images=0), master=rank == 0,
+                                metrics_path=os.path.join(out_dir, "metrics.jsonl"),
+                                wandb=types.SimpleNamespace(log=lambda *a, **k: None))
+    train.log_step(run, 1, {}, groups, {})
+    if rank == 0:
+        result["row"] = json.loads(open(run.metrics_path).read())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -548,13 +700,17 @@ def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
         assert r["tp_outputs"] == r["tp_expected"]            # rank 1 used to get rank 0's third output
         everyone = torch.tensor([0.0, 1.0, 0.0, 3.0, 5.0, 5.0, 0.0, 10.0])
         mine = everyone[:4] if rank == 0 else everyone[4:]
-        expected = grpo.group_advantages(mine, 2, "batch", batch_std=everyone.std())[0]
+        expected = grpo.group_advantages(mine, 2, scale_rewards="batch", everyone=everyone)[0]
         assert r["advantages"] == pytest.approx(expected.tolist())   # was: divided by this rank's own std
-        assert r["advantages"] != pytest.approx(grpo.group_advantages(mine, 2, "batch")[0].tolist())
+        assert r["advantages"] != pytest.approx(grpo.group_advantages(mine, 2, scale_rewards="batch")[0].tolist())
         assert "distributed invariant broken: micro-batches per step and padded completion length" in r["error"]
         assert f"rank {rank} has [{4 + rank}, 12]" in r["error"] and "[4, 12] to [5, 12]" in r["error"]
         assert r["reduced"] == {"n": 3, "t": 1, "free": 4, "mean": 2.0}
         assert "the logged metrics and how each combines over ranks" in r["metric_error"]
+        assert r["partial"] == {"both": 0.75, "x": 1.0, "y": 2.0}   # "none": a mean of no items is not logged
+    row = json.load(open(tmp_path / "rank0.json"))["row"]
+    assert row["reward/source/a"] == pytest.approx(4 / 6) and row["reward/source/b"] == 0.0
+    assert row["reward/mean"] == row["reward/accuracy"] == 0.5
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
@@ -574,12 +730,13 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
     batch = data.collate([sample, sample], [[5] * 6, [7]], processor.tokenizer.pad_token_id, banned.tolist())
     assert set(batch["input_ids"][1, -6:-1].tolist()) & set(banned.tolist())   # a control token in the window
-    logps = model(**batch, banned=banned).logps
+    sampling = grpo.Sampling(banned=tuple(banned.tolist()))
+    logps = model(**batch, sampling=sampling).logps
     loss, _ = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), batch["completion_mask"], beta=0.04,
                              ref_logps=logps.detach() - 0.1)
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()), banned=banned).logps
+    alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()), sampling=sampling).logps
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
 
 
@@ -601,7 +758,7 @@ def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
     samples.append(data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args))
     comps = [[[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21]], [[30, 31], [32, 33, 34, 35]], [[40], [41, 42, 43]]]
     model = train.model.load_model(model_dir, args, torch.float32)
-    assert train.model.shared_prefix_unsupported(model.config, "sdpa") is None
+    assert train.model.shared_prefix_unsupported(model.config) is None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
@@ -615,7 +772,7 @@ def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
     out = {}
     for name, batch in batches.items():
         model.zero_grad()
-        logps = model(**batch, banned=banned, chunks=3).logps
+        logps = model(**batch, sampling=grpo.Sampling(banned=tuple(banned.tolist())), chunks=3).logps
         variant = dict(loss_agg=loss, norm=8 * 5) if loss in ("sequence", "dr_grpo") else \
             dict(importance_sampling_level="sequence") if loss == "gspo" else {}
         value, _ = grpo.grpo_loss(logps, logps.detach() + 0.01, adv, batch["completion_mask"], beta=0.04,
@@ -630,17 +787,66 @@ def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
 
 
 def test_shared_prefix_falls_back_where_a_row_cannot_share(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers carry a state along the row (a completion would read the others), and
-    flash-attention takes no arbitrary mask: both fall back to the standard path, said once at set-up."""
+    """--shared_prefix is on by default. Qwen3.5's Gated DeltaNet layers carry a state along the row (a
+    completion would read the others) and a --micro_batch_tokens budget counts sequences: both fall back to the
+    standard path, said once at set-up (both given explicitly: refused). Flash-attention is no reason: the text
+    model takes sdpa for the 4-D mask and the vision tower keeps flash-attention (model.attention)."""
     from transformers import AutoConfig
 
     from conftest import tiny_of
-    why = train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]), "sdpa")
-    assert "linear_attention" in why
-    flash = train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen2_5_vl")[0]), "flash_attention_2")
-    assert "no arbitrary attention mask" in flash
+    qwen25 = AutoConfig.from_pretrained(tiny_of("qwen2_5_vl")[0])
+    assert "linear_attention" in train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]))
+    assert train.model.shared_prefix_unsupported(qwen25) is None
+    assert "--micro_batch_tokens" in train.model.shared_prefix_unsupported(qwen25, micro_batch_tokens=64)
+    train.check_args(train.parse_args(["--num_generations", "4", "--micro_batch_tokens", "64"]), 1)   # the default: falls back
     with pytest.raises(SystemExit, match="--shared_prefix with --micro_batch_tokens"):
         train.check_args(train.parse_args(["--num_generations", "4", "--shared_prefix", "--micro_batch_tokens", "64"]), 1)
+    flash = train.parse_args(["--attn_implementation", "flash_attention_2"])
+    assert train.model.attention(flash, qwen25, fast_vision=False) == {"": "sdpa", "text_config": "sdpa",
+                                                                        "vision_config": "flash_attention_2"}
+    assert train.model.attention(train.parse_args(["--attn_implementation", "flash_attention_2", "--no-shared_prefix"]),
+                                 qwen25, fast_vision=False) == "flash_attention_2"
+    assert train.model.attention(train.parse_args([]), qwen25, fast_vision=True)["vision_config"] == "flash_attention_2"
+    assert train.model.attention(train.parse_args([]), qwen25, fast_vision=False) == "sdpa"
+
+
+def test_shared_prefix_eager_path_creates_every_tensor_on_the_inputs_device(monkeypatch):
+    """--shared_prefix with eager attention on a GPU: the additive mask was built with torch.zeros on the default
+    device (the CPU) and filled from the CUDA mask, a device mismatch only a GPU run reached. Every tensor that
+    model.py's forward creates (a torch factory called from model.py) must name a device; recorded by a
+    TorchFunctionMode over the real forward (the CPU has no second device to mix with)."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    factories = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.eye, torch.zeros_like}
+    bare = []
+
+    class Created(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            caller = sys._getframe(1)
+            while caller and "/torch/" in caller.f_code.co_filename:
+                caller = caller.f_back
+            if func in factories and caller and caller.f_code.co_filename == train.model.__file__ and \
+                    "device" not in kwargs and func is not torch.zeros_like:
+                bare.append(f"{func.__name__} at model.py:{caller.f_lineno}")
+            return func(*args, **kwargs)
+    model_dir, train_jsonl, _ = tiny_of("qwen2_5_vl")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    for attn in ("eager", "sdpa"):
+        args = train.parse_args(["--attn_implementation", attn])
+        model = train.model.load_model(model_dir, args, torch.float32)
+        assert model.config.get_text_config()._attn_implementation == attn
+        sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
+        text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
+        for s in (sample, text):   # an image row, and a text-only one (the vision tower's dummy image)
+            batch = data.collate_prefix([(s, [[11, 12], [13]])], processor.tokenizer.pad_token_id, [])
+            with torch.no_grad(), Created():
+                assert torch.isfinite(model(**batch).logps).all()
+    assert not bare, bare
 
 
 def test_shared_prefix_micro_batches_keep_a_group_in_one_row(parts, tmp_path):
@@ -648,9 +854,7 @@ def test_shared_prefix_micro_batches_keep_a_group_in_one_row(parts, tmp_path):
     or the part of it that falls in, as one row; every completion token is there once."""
     run, samples = make_run(parts, tmp_path, per_device_train_batch_size=6, shared_prefix=True)
     lengths = [[1, 2, 3, 1], [2, 2, 1, 1], [1, 1, 1, 1], [3, 3, 2, 2]]
-    groups = [train.Group(sample=s, token_ids=[[5] * n for n in ls], sampler_logps=[[-0.5] * n for n in ls],
-                          texts=[""] * G, finish_reasons=["stop"] * G, advantages=[1.0, -1.0, 0.5, -0.5])
-              for s, ls in zip(samples, lengths)]
+    groups = groups_of(samples, lengths, logp=-0.5)
     batches = train.micro_batches(run, groups)   # 16 completions by 6: groups cut in two at the edges
     assert [b["inputs"]["input_ids"].shape[0] for b in batches] == [2, 2, 1]   # rows: a group and a part, ..., a group
     assert [b["inputs"]["completion_mask"].shape[0] for b in batches] == [6, 6, 4]
@@ -677,19 +881,20 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
     model.model.visual.register_forward_hook(lambda *a: calls.append(1))
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
     batch = data.collate([text, text], [[5, 6], [7]], processor.tokenizer.pad_token_id, banned.tolist())
-    logps = model(**batch, banned=banned).logps
+    sampling = grpo.Sampling(banned=tuple(banned.tolist()))
+    logps = model(**batch, sampling=sampling).logps
     assert calls == [1]
     visual = {id(p) for p in model.model.visual.parameters()}
     with torch.no_grad():   # the same forward without the dummy: identical log-probs
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False).last_hidden_state
-        plain = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], banned=banned).logps
+        plain = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], sampling).logps
     assert torch.equal(logps.detach(), plain.masked_fill(batch["completion_mask"] == 0, 0.0))   # outside a completion: 0
     (logps * batch["completion_mask"]).sum().backward()
     grads = [p.grad for p in model.parameters() if id(p) in visual]
     assert all(g is not None and not g.any() for g in grads)   # every vision parameter: in the graph, unchanged
     mixed = data.collate([text, image], [[5], [6]], processor.tokenizer.pad_token_id, banned.tolist())
-    model(**mixed, banned=banned)
+    model(**mixed, sampling=sampling)
     assert calls == [1, 1]                    # a micro-batch with an image calls it once, for real
     with pytest.raises(TypeError, match="not multimodal inputs"):   # not silently handed to the HF model
-        model(**batch, banned=banned, pixel_values_videos=torch.zeros(1))
+        model(**batch, sampling=sampling, input_features=torch.zeros(1))   # audio: no family here takes it

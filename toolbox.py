@@ -1,0 +1,231 @@
+"""Tools the policy may call during a rollout (`--tools crop`, several turns: train.py's rollout_groups).
+
+A tool is a plain function and one line in TOOLS, like a reward in reward.py. Its first parameter, `sample`,
+is the prepared sample its trajectory belongs to (data.prepare: its images, the originals they came from, its
+fields), given by the rollout; the others are what the model passes, with type hints and a Google-style
+docstring, from which transformers' get_json_schema makes the schema the chat template shows (`schemas`). It
+returns text, an image (PIL), or a list of both. What goes wrong (a malformed call, an unknown tool, bad
+arguments, an exception, a call past TOOL_TIME_S) becomes a tool message that says so (`run_call`), counted,
+never a crash. The calls follow Qwen's (Hermes) format, which the Qwen chat templates teach:
+
+    <tool_call>
+    {"name": "crop", "arguments": {"x1": 10, "y1": 10, "x2": 40, "y2": 40}}
+    </tool_call>
+
+Left out: parallel calls in one turn (the first call of a turn runs), tools that keep state between calls,
+tools that run code or reach the network.
+"""
+import concurrent.futures
+import inspect
+import json
+import re
+
+TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left to finish
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
+
+
+def crop(sample, x1: int, y1: int, x2: int, y2: int):
+    """Zoom in: crop a region of the image and see it at a higher resolution.
+
+    Args:
+        x1: left edge of the region, in pixels of the image as you see it
+        y1: top edge of the region, in pixels of the image as you see it
+        x2: right edge of the region, in pixels of the image as you see it
+        y2: bottom edge of the region, in pixels of the image as you see it
+    """
+    import data
+    if not sample["images"]:
+        raise ValueError("this question has no image to crop")
+    seen = sample["images"][0]
+    if not (0 <= x1 < x2 <= seen.width and 0 <= y1 < y2 <= seen.height):
+        raise ValueError(f"the box ({x1}, {y1}, {x2}, {y2}) is not inside the image, which is {seen.width} x "
+                         f"{seen.height} pixels, with x1 < x2 and y1 < y2")
+    original = data.open_image(sample["sources"][0])   # before the downscale: the detail is still there
+    sx, sy = original.width / seen.width, original.height / seen.height
+    region = original.crop((round(x1 * sx), round(y1 * sy), round(x2 * sx), round(y2 * sy)))
+    return data.downscale(region, *sample["pixel_bounds"])   # the same path as every image: vLLM and training see it
+
+
+TOOLS = {"crop": crop}   # --tools: name -> function
+
+# Qwen's own tools block (its Qwen2.5 and Qwen3 templates), for a chat template that shows no tools (prompt)
+HERMES = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+          "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
+          "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+          '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+_said = set()
+
+
+def prompt(processor, messages, names=None):
+    """The prompt text of `messages` by the checkpoint's chat template; with tools (`names`, --tools) as the
+    template shows them (`tools=`, as TRL passes them). A template that shows none (Qwen2.5-VL's as shipped)
+    gets Qwen's own tools block (HERMES) at the head of the system message, said once."""
+    def render(msgs, **kw):
+        return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+    if not names:
+        return render(messages)
+    tools = schemas(names)
+    text = render(messages, tools=tools)
+    if text != render(messages):
+        return text
+    if "template" not in _said:
+        _said.add("template")
+        print("[tools] this checkpoint's chat template shows no tools: they go at the head of the system message, "
+              "in the format of Qwen's own templates (toolbox.HERMES)")
+    block = HERMES.format(tools="\n".join(json.dumps(t) for t in tools))
+    system = [m for m in messages if m["role"] == "system"]
+    head = {"role": "system", "content": (system[0]["content"] + "\n\n" if system else "") + block}
+    return render([head] + [m for m in messages if m["role"] != "system"])
+
+
+MARK = "<<the model's turn>>"
+
+
+def response(processor, parts):
+    """The template's text between a model turn that ended in a tool call and the model's next turn: the end of
+    its turn, the tool message holding `parts` (text and PIL images, in order), the next turn's header."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MARK}, {"role": "tool", "content": content}]
+    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return text[text.index(MARK) + len(MARK):]
+
+
+def schemas(names):
+    """The JSON schemas of the named tools as the chat template takes them (`tools=`): transformers'
+    get_json_schema of each function as the model calls it, its first parameter (`sample`) left out."""
+    from transformers.utils import get_json_schema
+    out = []
+    for name in names:
+        fn = TOOLS[name]
+        params = list(inspect.signature(fn).parameters.values())[1:]
+
+        def visible():
+            pass
+        visible.__name__, visible.__doc__ = fn.__name__, fn.__doc__
+        visible.__signature__ = inspect.Signature(params)
+        visible.__annotations__ = {p.name: p.annotation for p in params}
+        out.append(get_json_schema(visible))
+    return out
+
+
+def response_tokens(max_pixels, grid=28):
+    """The most tokens one tool message can take: a crop's image of at most `max_pixels` on the model's `grid`
+    (28 px per token at the finest), its text cut at MAX_TEXT_CHARS (a character a token at worst), and the
+    template's own tokens."""
+    return max_pixels // grid ** 2 + MAX_TEXT_CHARS + 64
+
+
+def trajectory_tokens(args, max_pixels, grid=28):
+    """The most tool-message tokens one trajectory holds beside the model's own: a message after each turn but the
+    last (--max_turns); 0 without --tools. vLLM's context and KV budget and the planner count them."""
+    return (args.max_turns - 1) * response_tokens(max_pixels, grid) if getattr(args, "tools", None) else 0
+
+
+def parse_call(text):
+    """The first tool call of a turn's text -> (name, arguments); ValueError saying what is wrong with it."""
+    found = CALL.search(text)
+    if not found:
+        raise ValueError("no <tool_call>...</tool_call> in the turn")
+    try:
+        call = json.loads(found.group(1))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the call is not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+        raise ValueError('the call must be {"name": <tool name>, "arguments": {...}}')
+    return call["name"], call.get("arguments", {})
+
+
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
+
+
+def run_call(text, sample, names, time_s=TOOL_TIME_S):
+    """Run the tool call in a turn's text for `sample`, allowed tools `names` -> (result, error): result is a
+    list of text and PIL images (the tool message's content), error a short reason when the call failed (the
+    result then says it to the model)."""
+    try:
+        name, arguments = parse_call(text)
+        if name not in names:
+            raise ValueError(f"there is no tool {name!r}; the tools are {', '.join(names)}")
+        fn = TOOLS[name]
+        try:
+            inspect.signature(fn).bind(sample, **arguments)
+        except TypeError as e:
+            raise ValueError(f"bad arguments for {name}: {e}") from None
+        future = _pool.submit(fn, sample, **arguments)
+        try:
+            out = future.result(timeout=time_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"{name} took longer than {time_s:g} s") from None
+        except Exception as e:   # the tool's own failure: the model is told, the run goes on
+            raise ValueError(f"{name} failed: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        reason = str(e)[:MAX_TEXT_CHARS]
+        return [f"Error: {reason}"], reason
+    parts = out if isinstance(out, list) else [out]
+    return [p[:MAX_TEXT_CHARS] if isinstance(p, str) else p for p in parts], None
+
+
+def rollout(samples, n, processor, args, generate, any_live):
+    """n trajectories per sample (--tools): every live trajectory advances one turn per `generate(requests,
+    keys, budgets)` call (all of them batched, never one request at a time). A turn ends at the end of a tool
+    call (`</tool_call>`, a stop token), at the end of the answer, or at the budget: --max_completion_length
+    counts every model token of a trajectory, --max_turns its model turns. After a call the tool runs and the
+    template's tool message (response) is appended; the next turn continues from the tokens already there:
+    tokens are appended, never re-tokenized, so the sampler's log-probs stay on the tokens trained on.
+    `any_live(count)` is a collective (train.py): every rank runs as many turns as the busiest one (vLLM's
+    tensor-parallel groups generate together). A sample's tools are its row's (data.prepare: a row's own `tools`
+    field, else --tools); with none its trajectories have one turn. -> per sample, n dicts (train.py makes
+    Completion records)."""
+    end_call = processor.tokenizer.convert_tokens_to_ids("</tool_call>")
+    trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], mm=[], turns=[], calls=[],
+                   model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
+    for turn in range(args.max_turns):
+        live = [(i, k) for i, ts in enumerate(trajs) for k, t in enumerate(ts) if t["finish_reason"] is None]
+        if not any_live(len(live)):
+            break
+        requests = [dict(vllm_ids=samples[i]["vllm_ids"] + trajs[i][k]["vllm_ids"],
+                         images=samples[i]["images"] + trajs[i][k]["images"]) for i, k in live]
+        outs = generate(requests, [(i, k, turn) for i, k in live],
+                        [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in live],
+                        [[end_call] if samples[i]["tools"] else [] for i, _ in live])   # a row without tools: one turn
+        for (i, k), out in zip(live, outs):
+            t, c = trajs[i][k], out.outputs[0]
+            tokens = list(c.token_ids)
+            t["ids"] += tokens
+            t["vllm_ids"] += tokens
+            t["mask"] += [1] * len(tokens)
+            t["mm_types"] += [0] * len(tokens)
+            t["logps"] += [next(iter(d.values())).logprob for d in c.logprobs]
+            t["model_tokens"] += len(tokens)
+            t["turns"].append(processor.tokenizer.decode(tokens, skip_special_tokens=True))
+            if not (c.finish_reason == "stop" and tokens and tokens[-1] == end_call):
+                t["finish_reason"] = c.finish_reason    # the answer ("stop"), or the budget ("length")
+            elif turn == args.max_turns - 1 or t["model_tokens"] >= args.max_completion_length:
+                t["finish_reason"] = "length"           # a call with no turn left to answer in
+            else:
+                answer(t, samples[i], processor, args)
+    return trajs
+
+
+def answer(t, sample, processor, args):
+    """Run the call that ended trajectory t's last turn and append the tool message, in both forms: vLLM's (one
+    <|image_pad|> per image; it expands them) and the training forward's (the processor's, expanded), masked
+    out of the loss. A result that would take the prompt past --limit_images images keeps its text only."""
+    parts, error = run_call(t["turns"][-1], sample, sample["tools"])
+    images = [p for p in parts if not isinstance(p, str)]
+    if images and len(sample["images"]) + len(t["images"]) + len(images) > args.limit_images:
+        error = f"the image limit (--limit_images {args.limit_images}) is reached"
+        parts, images = [f"Error: {error}; no more images"], []
+    t["calls"].append((t["turns"][-1], error))
+    text = response(processor, parts)
+    hf = processor(text=[text], images=images or None, return_tensors="pt")
+    ids = hf["input_ids"][0].tolist()
+    t["vllm_ids"] += processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    t["ids"] += ids
+    t["mask"] += [0] * len(ids)
+    t["logps"] += [0.0] * len(ids)
+    t["mm_types"] += hf["mm_token_type_ids"][0].tolist()
+    t["images"] += images
+    if images:
+        t["mm"].append({k: hf[k] for k in ("pixel_values", "image_grid_thw")})
