@@ -239,8 +239,9 @@ def markdown(parser=None):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def check_args(args, world):
-    """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing."""
+def check_args(args, world, local=None):
+    """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing.
+    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE)."""
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
@@ -296,7 +297,7 @@ def check_args(args, world):
          f"--zero_offload optimizer / all")
     # the ranks of a node are consecutive (DeepSpeed's launcher, torchrun) and so is each TP group (train.setup):
     # with the node's rank count a multiple of the TP size, every group lies inside one node
-    local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local = local or int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
     need(local % args.vllm_tensor_parallel_size == 0,
          f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} would span nodes: this node runs {local} "
          f"rank(s) (LOCAL_SIZE) of {world}, and each vLLM engine's group is {args.vllm_tensor_parallel_size} "

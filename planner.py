@@ -601,7 +601,7 @@ def levers(args, cluster, s, base=None):
     for name, change, other in lever_list(args, cluster, s):
         a, c = argparse.Namespace(**{**vars(args), **change}), other or cluster
         try:
-            check_args(a, c.gpus_per_node * c.nodes)
+            check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node)
         except SystemExit:
             continue
         out.append((name, base - worst(plan(a, c, s), c)))
@@ -704,7 +704,7 @@ def candidates(args, cluster):
     for values in itertools.product(*opts.values()):
         a = argparse.Namespace(**{**vars(args), **dict(zip(opts, values))})
         try:
-            check_args(a, world)
+            check_args(a, world, cluster.gpus_per_node)
         except SystemExit:
             continue
         yield a
@@ -836,7 +836,7 @@ def parse(argv):
         import tiny
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
     cluster = Cluster(known.gpus_per_node, known.nodes, known.gpu_gb, known.host_gb, cuda=not known.cpu)
-    flags.check_args(args, cluster.gpus_per_node * cluster.nodes)
+    flags.check_args(args, cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node)
     return args, cluster, known
 
 

@@ -855,7 +855,8 @@ def main(argv=None):
             m["time/step"] = ranks.Max(time.perf_counter() - t_step)
             log_step(run, step, m, groups, stats)
             if run.master:
-                bar.set_postfix_str(f"reward={m['reward/mean']:.3f} kl={m['train/kl']:.4f} {memory.summary(m)}")
+                bar.set_postfix_str(f"reward={m.get('reward/mean', float('nan')):.3f} kl={m.get('train/kl', 0.0):.4f} "
+                                    f"{memory.summary(m)}")   # no reward/mean: no completion of the step was scored
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
                     validate(run, step, {})

@@ -544,7 +544,7 @@ def test_the_plan_agrees_with_published_runs(name):
     sequence per completion: --no-shared_prefix (ours encodes a group's prompt once by default)."""
     source, model, flags, cluster, reported, no_vllm = PUBLIC[name]
     args = train.parse_args(["--model", model, "--bf16", *flags, "--no-shared_prefix"])
-    train.check_args(args, cluster.gpus_per_node * cluster.nodes)
+    train.check_args(args, cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node)
     pl = planner.plan(args, cluster, planner.model_shape(model))
     if no_vllm:
         update = sum(v for k, v in pl["phases"]["update"]["gpu"].items() if not k.startswith("vLLM"))
@@ -622,3 +622,15 @@ def test_kv_room_and_memory_auto_for_each_family(name):
     assert (planner.linear_state_bytes(s, 2, 1) > 0) == (s["model_type"] == "qwen3_5")
     chosen, pl, _ = planner.choose(args, cluster, s)
     assert chosen is not None and chosen.zero_offload == "none" and planner.verdict(pl, cluster)[0]
+
+
+def test_planning_a_cluster_takes_its_node_from_the_cluster_not_this_process(monkeypatch):
+    """An in-process vLLM engine (a notebook, another test in this pytest worker) leaves LOCAL_SIZE=1 in this
+    process's environment. Planning 8 GPUs a node must still offer vLLM TP 2, 4 and 8 (each inside a node): the
+    check read the environment, refused every TP > 1 and --memory auto chose a slower set-up than a published run's."""
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64"])
+    tps = {a.vllm_tensor_parallel_size for a in planner.candidates(args, planner.Cluster(8, 1, 80, 1024))}
+    assert tps == {1, 2, 4, 8}
+    with pytest.raises(SystemExit, match="would span nodes"):   # a launch still reads its own node
+        train.check_args(train.parse_args(["--vllm_tensor_parallel_size", "2"]), 8)
