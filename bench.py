@@ -320,7 +320,8 @@ def bench_vlm_tokens(out):
     in_order = [seqs[i:i + 8] for i in range(0, len(seqs), 8)]
     padded = {"step_wide": [len(b) * (max(p for p, _ in b) + longest) for b in in_order],
               "trl": [len(b) * (max(p for p, _ in b) + max(c for _, c in b)) for b in in_order]}
-    for name, flags in (("sorted", []), ("budget", ["--micro_batch_tokens", "16384"]), ("shared_prefix", ["--shared_prefix"])):
+    for name, flags in (("sorted", ["--no-shared_prefix"]), ("budget", ["--no-shared_prefix", "--micro_batch_tokens", "16384"]),
+                        ("shared_prefix", ["--shared_prefix"])):   # the shared prefix is the default: the others say no
         args = train.parse_args(["--per_device_train_batch_size", "8", *flags])
         run = types.SimpleNamespace(args=args, pad_id=0, sampling=train.grpo.Sampling(), device=torch.device("cpu"), rank=0)
         padded[name] = [b["inputs"]["input_ids"].numel() for b in train.micro_batches(run, groups)]
@@ -386,9 +387,10 @@ def bench_vlm_update(out, prompts=4, reps=3):
 
     def padded(gs, width):   # the same groups with each completion padded to width(group index) by pad tokens
         return [group_of(g.sample, [c + [pad] * (width(i, c) - len(c)) for c in ids(g)]) for i, g in enumerate(gs)]
-    ways = {"step_wide": (padded(groups, lambda i, c: longest), []),
-            "trl": (padded(groups, lambda i, c: max(len(x) for x in ids(groups[i]))), []),
-            "sorted": (groups, []), "shared_prefix": (groups, ["--shared_prefix"])}
+    no = ["--no-shared_prefix"]   # the shared prefix is the default: the other three say no
+    ways = {"step_wide": (padded(groups, lambda i, c: longest), no),
+            "trl": (padded(groups, lambda i, c: max(len(x) for x in ids(groups[i]))), no),
+            "sorted": (groups, no), "shared_prefix": (groups, ["--shared_prefix"])}
     batches = {}
     for name, (gs, flags) in ways.items():
         a = train.parse_args(["--per_device_train_batch_size", "8", *flags])

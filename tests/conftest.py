@@ -11,17 +11,22 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Seconds the longest tests took under `make test` (two workers, a clean clone, idle): they start first,
+# Seconds the longest tests took under `make test` (two workers, a clean worktree of 520b36d, cold .cache): they start first,
 # longest first, so that the run does not end on one of them started late beside an idle worker (in file
 # order the ten kills, the longest, started at minute ~24 of 44; ordered so, the two workers ended 8 s apart).
-LONGEST = {"test_ten_kills_then_resume_exactly": 877, "test_grounding_demo_learns": 591,
-           "test_preemption_checkpoints_the_step_and_exits_75": 299,
-           "test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm": 233,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 231,
-           "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 217,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-2-0]": 190, "test_demo_learns": 188,
-           "test_logged_numbers_do_not_depend_on_the_micro_batch": 141,
-           "test_resume_exact_with_one_process_and_the_export_loads[qwen3_5]": 135}
+LONGEST = {"test_ten_kills_then_resume_exactly": 478, "test_grounding_demo_learns": 434,
+           "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 226,
+           "test_preemption_checkpoints_the_step_and_exits_75": 179,
+           "test_two_ranks_whose_trajectories_take_different_turns_stay_in_step": 144, "test_demo_learns": 142,
+           "test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vllm": 141,
+           "test_trajectories_agree_with_the_trainer_on_the_models_tokens[qwen3_5]": 130,
+           "test_resume_exact_with_one_process_and_the_export_loads[qwen3_vl]": 121,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-2-0]": 115,
+           "test_logged_numbers_do_not_depend_on_the_micro_batch": 112,
+           "test_a_hang_up_checkpoints_the_step_and_exits_75": 101,
+           "test_resume_exact_with_one_process_and_the_export_loads[qwen3_5]": 96, "test_two_process_run": 90,
+           "test_resume_exact_with_one_process_and_the_export_loads[qwen3_vl_moe]": 90,
+           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 82}
 
 
 def pytest_collection_modifyitems(items):
