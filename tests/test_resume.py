@@ -435,8 +435,10 @@ def test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command(tmp_path, 
     checkpoint it, exit 75 and free the folder, and a relaunch resumes. (A folder whose owner was
     SIGKILLed is taken over: test_ten_kills_then_resume_exactly.)"""
     import psutil
-    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="orphaned",
-                   runner=True)
+    # steps enough to outlive the second launch: 50 took 39 s on an idle machine, and the job had finished (and
+    # freed the folder) before the second launch's claim, which was then not refused
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "100000", "--val_freq", "0", "--no-save_final_model"],
+                   name="orphaned", runner=True)
     while not trained(tmp_path, 1) and p.poll() is None:
         time.sleep(0.05)
     family = psutil.Process(p.pid).children(recursive=True)

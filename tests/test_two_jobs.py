@@ -69,8 +69,10 @@ def test_two_tp2_jobs_side_by_side_both_finish(tmp_path, tiny_default):
     for p, path, _ in jobs:
         assert p.returncode == 0, open(path).read()[-5000:]
         assert [r["step"] for r in read_metrics(os.path.dirname(path)) if "reward/mean" in r] == [1, 2]
-    logs = open(jobs[0][1]).read() + open(jobs[1][1]).read()   # the first job at its set-up removes it
-    assert "vLLM CPU shared-memory segment(s) no live process maps" in logs and os.path.basename(stale[0]) in logs
+    # Removed at a set-up: these jobs' own, or that of a job of another test launched at the same time on this
+    # machine (every launch removes this user's segments that no live process maps; in one full make test the other
+    # worker's TP-2 job swept it first, and the line was in neither log here). The line itself:
+    # test_stale_vllm_segments_are_removed_and_live_ones_kept.
     assert not os.path.exists(stale[0])
     left = set(os.listdir("/dev/shm"))
     for _, _, port in jobs:
