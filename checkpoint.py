@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ranks
+
 
 def rng_state():
     st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -728,12 +730,9 @@ def unheld(paths, settle_s, mapped=False):
     return paths
 
 
-def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
-    """This user's DeepSpeed allreduce buffers (remove_shm_buffer) that no live process has open or
-    mapped: left by a SIGKILLed rank (~70 MB each), removed at the next launch, and said. A buffer of
-    another live job on this machine is mapped by its ranks and left alone. -> the paths removed."""
-    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
-    paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
+def remove_unheld(paths, settle_s):
+    """Remove the paths no live process has open or mapped (unheld) -> those removed; none where /proc cannot
+    tell who holds what."""
     if not paths or not os.path.isdir("/proc/self/fd"):
         return []
     removed = []
@@ -743,6 +742,16 @@ def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
             removed.append(p)
         except FileNotFoundError:
             pass
+    return removed
+
+
+def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
+    """This user's DeepSpeed allreduce buffers (remove_shm_buffer) that no live process has open or
+    mapped: left by a SIGKILLed rank (~70 MB each), removed at the next launch, and said. A buffer of
+    another live job on this machine is mapped by its ranks and left alone. -> the paths removed."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
+    removed = remove_unheld(paths, settle_s)
     if removed:
         print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds (left by a killed rank)")
     return removed
@@ -762,15 +771,7 @@ def clear_stale_vllm_shm(shm="/dev/shm", settle_s=0.5):
                 paths.append(os.path.join(shm, f))
         except FileNotFoundError:
             pass
-    if not paths or not os.path.isdir("/proc/self/fd"):
-        return []
-    removed = []
-    for p in unheld(paths, settle_s, mapped=True):
-        try:
-            os.remove(p)
-            removed.append(p)
-        except FileNotFoundError:
-            pass
+    removed = remove_unheld(paths, settle_s)
     if removed:
         print(f"[setup] removed {len(removed)} vLLM CPU shared-memory segment(s) no live process maps (left by a "
               f"killed job; vLLM would refuse to create them again): {', '.join(os.path.basename(p) for p in removed)}")
@@ -871,8 +872,7 @@ def sibling_died():
     then SIGTERMs the others (launch.py, sigkill_handler), which is no preemption."""
     try:
         import psutil
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return len(psutil.Process(os.getppid()).children()) < local
+        return len(psutil.Process(os.getppid()).children()) < ranks.local_world(1)
     except Exception:   # noqa: BLE001  (in a signal handler: never raise)
         return False
 

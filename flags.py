@@ -7,6 +7,7 @@ import os
 import sys
 
 import grpo
+import ranks
 import reward
 import toolbox
 
@@ -297,7 +298,7 @@ def check_args(args, world, local=None):
          f"--zero_offload optimizer / all")
     # the ranks of a node are consecutive (DeepSpeed's launcher, torchrun) and so is each TP group (train.setup):
     # with the node's rank count a multiple of the TP size, every group lies inside one node
-    local = local or int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local = local or ranks.local_world(world)
     need(local % args.vllm_tensor_parallel_size == 0,
          f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} would span nodes: this node runs {local} "
          f"rank(s) (LOCAL_SIZE) of {world}, and each vLLM engine's group is {args.vllm_tensor_parallel_size} "

@@ -448,8 +448,13 @@ def production_cycle(box):
 def lora_sync_merged(box):
     """--use_peft --lora_sync merged in bf16 under the launcher, two steps with sleep level 1 and the reference
     as the base model with the adapter off (--beta 0.04): W + scale B A sent bucket by bucket, plain vLLM layers."""
+    return lora_run(box, "lora_merged")
+
+
+def lora_run(box, name):
+    """A LoRA item's run -> its steps, losses and the megabytes each sync sent."""
     need_vllm()
-    rows, _ = trained(box, "lora_merged")
+    rows, _ = trained(box, name)
     return {"steps": len(rows), "losses": [r["train/loss"] for r in rows],
             "sync_sent_mb": [r.get("sync/sent_mb") for r in rows]}
 
@@ -459,10 +464,7 @@ def lora_sync_adapter(box):
     """--use_peft --lora_sync adapter in bf16, as lora_sync_merged: the base weights once, then the adapter alone
     into vLLM's LoRA layers, whose Punica kernels warm up on a dummy LoRA at engine start and take bf16 or fp16
     only (--no-bf16 is refused on CUDA: rollout.engine_kwargs)."""
-    need_vllm()
-    rows, _ = trained(box, "lora_adapter")
-    return {"steps": len(rows), "losses": [r["train/loss"] for r in rows],
-            "sync_sent_mb": [r.get("sync/sent_mb") for r in rows]}
+    return lora_run(box, "lora_adapter")
 
 
 @item

@@ -3,9 +3,15 @@ count; stated by the code that makes it: Sum, Max, Min, Mean with its weight, el
 would otherwise hang the next collective (checked, with an error that names them), and the requests a vLLM
 tensor-parallel group submits together."""
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
+
+
+def local_world(default):
+    """The ranks on this node: DeepSpeed's per-node launcher sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE."""
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", default)))
 
 
 class Sum(float):

@@ -228,7 +228,7 @@ def setup(args):
     dist.barrier()
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))   # ranks on this node
+    local_world = ranks.local_world(world)
     atexit.register(checkpoint.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
@@ -806,7 +806,7 @@ def print_plan(args):
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
     world = int(os.environ.get("WORLD_SIZE", 1))
     check_args(args, world)
-    cluster = this_cluster(int(os.environ.get("LOCAL_SIZE", world)), world)
+    cluster = this_cluster(ranks.local_world(world), world)
     if int(os.environ.get("RANK", 0)) == 0:
         if args.memory == "auto":
             args = planner.decide(args, cluster, verbose=True, exit_if_none=False)

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import socket
@@ -153,6 +154,20 @@ ZERO3_SMALL = ["--ds_set", "zero_optimization.stage3_param_persistence_threshold
 # For runs that test plumbing, not learning: 16 prompts x 4 and the reference model (the colour demo's own 32 prompts
 # and beta 0 are for learning; flags.TINY_TASKS), so the KL, the reference's forward and its offload stay exercised.
 FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8", "--rollout_batch_size", "16", "--beta", "0.04"]
+
+
+@contextlib.contextmanager
+def mapped_elsewhere(path):
+    """While open: another live process maps `path`, its file closed, as DeepSpeed's and vLLM's shm.cpp leave
+    their /dev/shm segments (checkpoint.held_files finds it by /proc/<pid>/maps)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
+                               "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(60)",
+                               str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        yield
+    finally:
+        holder.kill()
 
 
 def command(out_dir, flags, procs, env=None, runner=False):

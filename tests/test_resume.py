@@ -14,7 +14,18 @@ import time
 
 import pytest
 
-from conftest import ARCHS, FAST, ROOT, command, launch, read_metrics, tiny_of, wait_for_group, wandb_history
+from conftest import (
+    ARCHS,
+    FAST,
+    ROOT,
+    command,
+    launch,
+    mapped_elsewhere,
+    read_metrics,
+    tiny_of,
+    wait_for_group,
+    wandb_history,
+)
 
 SLOW_DISK = os.path.join(ROOT, "tests", "slow_disk")
 FLAGS = [*FAST, "--max_steps", "6", "--val_freq", "3", "--save_steps", "2", "--save_total_limit", "5",
@@ -398,14 +409,8 @@ def test_stale_shm_buffers_are_removed_and_live_ones_kept(tmp_path):
     dead, live = (tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{p}_0" for p in (1, 2))
     for f in (dead, live):
         f.write_bytes(b"\0" * 4096)
-    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
-                               "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(60)",
-                               str(live)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "mapped"   # mapped, its file closed: as DeepSpeed's shm.cpp leaves it
+    with mapped_elsewhere(live):
         removed = checkpoint.clear_stale_shm_buffers(str(tmp_path))
-    finally:
-        holder.kill()
     assert removed == [str(dead)] and live.exists()
 
 

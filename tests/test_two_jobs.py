@@ -15,7 +15,7 @@ import time
 import pytest
 from test_resume import SAME, preempted_at, trained
 
-from conftest import FAST, ROOT, command, node_commands, read_metrics
+from conftest import FAST, ROOT, command, mapped_elsewhere, node_commands, read_metrics
 
 TP2 = [*FAST, "--vllm_tensor_parallel_size", "2", "--max_steps", "2", "--val_freq", "0", "--no-save_final_model"]
 
@@ -90,14 +90,8 @@ def test_stale_vllm_segments_are_removed_and_live_ones_kept(tmp_path):
     live, other = tmp_path / "vlm_grpo_0_127.0.0.1_2-tp:0-[0-1]-cpushm_0", tmp_path / "psm_0a1b2c"
     for f in (*dead, live, other):
         f.write_bytes(b"\0" * 4096)
-    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
-                               "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(60)",
-                               str(live)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "mapped"   # mapped, its file closed: as vLLM's shm.cpp leaves it
+    with mapped_elsewhere(live):
         removed = checkpoint.clear_stale_vllm_shm(str(tmp_path), settle_s=0.01)
-    finally:
-        holder.kill()
     assert sorted(removed) == sorted(map(str, dead)) and live.exists() and other.exists()
 
 
