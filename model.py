@@ -6,9 +6,12 @@ flags, the LR schedule. Plain functions: the GPU-only choices
 (offload flags, FusedAdam, grad accumulation dtype, the reference's placement) are tested on CPU
 against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
 """
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import re
 import sys
 import types
 
@@ -541,16 +544,50 @@ def check_fused_adam(cfg, cuda=torch.cuda.is_available()):
     static = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     if not cuda or static or cfg["optimizer"]["params"].get("torch_adam"):
         return False
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    plain = deepspeed_arch_list(arch) if re.search(r"\d[a-z]", arch) else None
+    if plain:
+        print(f"[setup] FusedAdam builds for TORCH_CUDA_ARCH_LIST={plain!r} (set: {arch!r}; DeepSpeed 0.19.8's JIT builder "
+              f"cannot read the letter of an arch-specific entry, and FusedAdam uses none of their instructions)")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain
     try:
         from deepspeed.ops.op_builder import FusedAdamBuilder
-        FusedAdamBuilder().load()
+        FusedAdamBuilder().load()   # cached by name: DeepSpeed's FusedAdam later reuses this build
     except Exception as e:   # a missing or mismatched nvcc shows up as any of several errors
         sys.exit(f"error: DeepSpeed's FusedAdam (needed by --offload_optimizer and by any run whose optimizer stays on "
                  f"the GPU) did not load: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}\n"
                  f"  It compiles with nvcc on first use: install the CUDA toolkit that matches torch's CUDA "
                  f"({torch.version.cuda}), or build it once at install time:\n"
                  f"  DS_BUILD_FUSED_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed==0.19.8")
+    finally:
+        if plain:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch   # the user's list again for every other build (vLLM, Triton)
     return True
+
+
+def deepspeed_arch_list(arch):
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's JIT builder can read it: its compute_capability_args sorts the
+    entries as numbers, so an arch-specific one (9.0a, Hopper's wgmma; 10.0f) raised ValueError: invalid literal for
+    int() with base 10: '0a' (make gpu-check on an H200 image that sets 9.0a, 2026-11-26). The letters go; +PTX stays."""
+    entries = [cc for cc in arch.replace(" ", ";").split(";") if cc.strip()]
+    return ";".join(dict.fromkeys(re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", cc.strip()) for cc in entries))
+
+
+@contextlib.contextmanager
+def outside_zero3():
+    """Build models here as plain modules. While a HfDeepSpeedConfig is alive (an engine's), transformers builds
+    every model under ZeRO-3's zero.Init: partitioned, this rank's shard only. A model built to be counted
+    (planner.model_shape, on the meta device) or saved (the tiny models) must not be: gpu-check, which builds them
+    after its engines, failed with 'Cannot copy out of meta tensor' and saved a 100M model of empty tensors
+    (2026-11-26). The caller's config is live again afterwards."""
+    from transformers.integrations import deepspeed as hf_ds
+    live = hf_ds._hf_deepspeed_config_weak_ref and hf_ds._hf_deepspeed_config_weak_ref()
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if live:
+            hf_ds.set_hf_deepspeed_config(live)
 
 
 def reference_config(cfg, ref_offload):

@@ -199,9 +199,9 @@ def model_shape(model):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from model import family
+    from model import family, outside_zero3
     config = AutoConfig.from_pretrained(model) if os.path.isdir(str(model)) else builtin_config(model)
-    with torch.device("meta"):
+    with outside_zero3(), torch.device("meta"):   # not partitioned beside a caller's live engine
         m = AutoModelForImageTextToText.from_config(config)
     params = {id(p): p.numel() for p in m.parameters()}
     t, v = config.get_text_config(), config.vision_config

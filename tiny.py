@@ -500,6 +500,24 @@ def build_motion_task(out_dir, n_train=2000, n_val=64, seed=0):
     return out_dir
 
 
+def build(tmp, task, size, arch):
+    """The model and task of ensure_default into tmp/model and tmp/task."""
+    if task == "colour":
+        build_model(os.path.join(tmp, "model"), size=size, arch=arch)
+        build_task(os.path.join(tmp, "task"))
+    elif task == "motion":
+        build_model(os.path.join(tmp, "model"), extra_words=MOTION_WORDS, size=size, arch=arch)
+        build_motion_task(os.path.join(tmp, "task"))
+    elif task == "zoom":
+        build_model(os.path.join(tmp, "model"), extra_words=ZOOM_WORDS, size=size, arch=arch, tools=True)
+        build_zoom_task(os.path.join(tmp, "task"))
+        teach_zoom_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
+    else:
+        build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size, arch=arch)
+        build_grounding_task(os.path.join(tmp, "task"))
+        teach_box_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
+
+
 def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5_vl"):
     """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
 
@@ -511,21 +529,10 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5
     final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size, arch) if x not in ("colour", "tiny", "qwen2_5_vl")))
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
+        import model as model_py
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
-        if task == "colour":
-            build_model(os.path.join(tmp, "model"), size=size, arch=arch)
-            build_task(os.path.join(tmp, "task"))
-        elif task == "motion":
-            build_model(os.path.join(tmp, "model"), extra_words=MOTION_WORDS, size=size, arch=arch)
-            build_motion_task(os.path.join(tmp, "task"))
-        elif task == "zoom":
-            build_model(os.path.join(tmp, "model"), extra_words=ZOOM_WORDS, size=size, arch=arch, tools=True)
-            build_zoom_task(os.path.join(tmp, "task"))
-            teach_zoom_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
-        else:
-            build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size, arch=arch)
-            build_grounding_task(os.path.join(tmp, "task"))
-            teach_box_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
+        with model_py.outside_zero3():   # whole tensors saved, also when the caller holds a ZeRO-3 engine (gpu-check)
+            build(tmp, task, size, arch)
         if not os.path.exists(os.path.join(tmp, "model", "config.json")):   # e.g. saved from a non-zero rank
             raise RuntimeError(f"tiny model build in {tmp} is incomplete")
         open(os.path.join(tmp, "done"), "w").close()

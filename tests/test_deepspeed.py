@@ -209,6 +209,35 @@ def test_fused_adam_is_loaded_before_anything_with_a_clear_error(monkeypatch):
     assert model.check_fused_adam(cfg, cuda=False) is False
 
 
+@pytest.mark.parametrize("arch,plain", [("9.0a", "9.0"), ("8.0 9.0a 10.0f+PTX", "8.0;9.0;10.0+PTX"),
+                                        ("9.0;9.0a", "9.0")])
+def test_fused_adam_builds_under_an_arch_specific_torch_cuda_arch_list(monkeypatch, arch, plain):
+    """make gpu-check on an H200 image whose TORCH_CUDA_ARCH_LIST names 9.0a: DeepSpeed 0.19.8's own JIT builder
+    raised ValueError on the letter, and every run whose optimizer stays on the GPU exited at check_fused_adam. The
+    builder here is DeepSpeed's CUDA one (its nvcc arguments need no GPU); only the compile (load) is a stand-in,
+    which sees the list DeepSpeed can read, and the user's list is back afterwards."""
+    from deepspeed.ops import op_builder
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # CUDA's (op_builder's is the CPU one here)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch)
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    with pytest.raises(ValueError, match="invalid literal for int"):   # the bug, in DeepSpeed 0.19.8 itself
+        builder.compute_capability_args()
+    assert model.deepspeed_arch_list(arch) == plain
+    seen = []
+
+    class Builder(FusedAdamBuilder):
+        def load(self):
+            self.jit_mode = True
+            seen.append((os.environ["TORCH_CUDA_ARCH_LIST"], self.compute_capability_args()))
+    monkeypatch.setattr(op_builder, "FusedAdamBuilder", Builder)
+    cfg = model.ds_config(train.parse_args(["--per_device_train_batch_size", "4", "--offload_optimizer"]), 1, 1,
+                          bf16=True, cuda=True)
+    assert model.check_fused_adam(cfg, cuda=True) is True
+    assert [env for env, _ in seen] == [plain]   # and DeepSpeed's compute_capability_args read it without raising
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == arch
+
+
 def test_a_relaunch_with_a_longer_schedule_trains_at_its_own_rate(world1, tmp_path):
     """A run saved at the end of a 2-step cosine (rate 0) and relaunched with --max_steps 4 trains step 3
     at the 4-step cosine's rate, not at the saved 0 (it did before checkpoint.rate_of_this_schedule)."""

@@ -634,3 +634,26 @@ def test_planning_a_cluster_takes_its_node_from_the_cluster_not_this_process(mon
     assert tps == {1, 2, 4, 8}
     with pytest.raises(SystemExit, match="would span nodes"):   # a launch still reads its own node
         train.check_args(train.parse_args(["--vllm_tensor_parallel_size", "2"]), 8)
+
+
+def test_model_shape_and_tiny_models_beside_a_live_zero3_engine(world1, tmp_path):
+    """make gpu-check's planner item planned after building engines: with their HfDeepSpeedConfig alive, transformers
+    built the planner's meta-device model under zero.Init and failed (Cannot copy out of meta tensor), and its 100M
+    tiny model was saved as empty shards. The shape is the same as without one, the tiny model is whole, and the
+    caller's ZeRO-3 config is live again afterwards."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    import tiny
+    path = tiny.ensure_default()[0]
+    alone = planner.model_shape(path)
+    cfg = model.ds_config(train.parse_args(["--model", path, "--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
+    keep = HfDeepSpeedConfig(cfg)  # noqa: F841  alive, as an engine's
+    assert is_deepspeed_zero3_enabled()
+    assert planner.model_shape(path) == alone
+    assert is_deepspeed_zero3_enabled()
+    built = tiny.ensure_default(root=str(tmp_path))[0]   # the 100M model of gpu-check's offload item was all [0]
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(built, "model.safetensors"))
+    assert all(t.numel() > 0 for t in saved.values()), [k for k, t in saved.items() if t.numel() == 0][:3]
+    assert is_deepspeed_zero3_enabled()
