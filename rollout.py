@@ -52,8 +52,10 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
               mm_processor_kwargs={"images_kwargs": {"size": {"shortest_edge": args.min_pixels,
                                                               "longest_edge": args.max_pixels}},
                                    **({"videos_kwargs": data.video_kwargs(processor, args)} if processor else {})},
-              # each prompt's image is processed once per step: a cache only grows host RAM
-              mm_processor_cache_gb=0,
+              # one turn: each prompt's image is processed once per step, and a cache only grows host RAM.
+              # --tools: every turn sends each trajectory's prompt images again; an LRU cache the size of one step's
+              # (toolbox.processor_cache_gb) leaves the HF processor the new tool images alone (docs/verification.md)
+              mm_processor_cache_gb=toolbox.processor_cache_gb(args, max_num_seqs // args.num_generations, args.max_pixels),
               # the log-probs of the distribution each token was drawn from: after logit_bias,
               # temperature and top_p (grpo.token_logps gives the trainer's side of the same)
               logprobs_mode="processed_logprobs")

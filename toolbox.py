@@ -16,13 +16,24 @@ Left out: parallel calls in one turn (the first call of a turn runs), tools that
 tools that run code or reach the network.
 """
 import concurrent.futures
+import functools
 import inspect
 import json
 import re
 
+import torch
+
 TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left to finish
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
+
+
+@functools.lru_cache(maxsize=4)
+def opened(source):
+    """data.open_image, kept for the few sources last opened: a turn's calls come a sample's trajectories at a time,
+    and each decoded the same original again (0.09 s of a 0.32 s step in make bench's multi-turn rollout)."""
+    import data
+    return data.open_image(source)
 
 
 def crop(sample, x1: int, y1: int, x2: int, y2: int):
@@ -41,7 +52,7 @@ def crop(sample, x1: int, y1: int, x2: int, y2: int):
     if not (0 <= x1 < x2 <= seen.width and 0 <= y1 < y2 <= seen.height):
         raise ValueError(f"the box ({x1}, {y1}, {x2}, {y2}) is not inside the image, which is {seen.width} x "
                          f"{seen.height} pixels, with x1 < x2 and y1 < y2")
-    original = data.open_image(sample["sources"][0])   # before the downscale: the detail is still there
+    original = opened(sample["sources"][0])   # before the downscale: the detail is still there
     sx, sy = original.width / seen.width, original.height / seen.height
     region = original.crop((round(x1 * sx), round(y1 * sy), round(x2 * sx), round(y2 * sy)))
     return data.downscale(region, *sample["pixel_bounds"])   # the same path as every image: vLLM and training see it
@@ -122,6 +133,15 @@ def trajectory_tokens(args, max_pixels, grid=28):
     return (args.max_turns - 1) * response_tokens(max_pixels, grid) if getattr(args, "tools", None) else 0
 
 
+def processor_cache_gb(args, prompts, max_pixels):
+    """vLLM's processor cache (GB of host RAM) for an engine that generates for `prompts` prompts a step: with --tools
+    every turn sends each trajectory's prompt images again, and a cache of one step's of them, processed (at most
+    max_pixels each, 24 bytes a pixel: Qwen's fp32 pixel values, 3 channels x 2 frames of a still image, and
+    --limit_images a prompt), leaves the HF processor the new tool images alone. 0 without tools: each prompt's
+    image is processed once a step, and a cache would only grow host RAM."""
+    return prompts * args.limit_images * max_pixels * 24 / 2 ** 30 if getattr(args, "tools", None) else 0
+
+
 def parse_call(text):
     """The first tool call of a turn's text -> (name, arguments); ValueError saying what is wrong with it."""
     found = CALL.search(text)
@@ -189,6 +209,7 @@ def rollout(samples, n, processor, args, generate, any_live):
         outs = generate(requests, [(i, k, turn) for i, k in live],
                         [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in live],
                         [[end_call] if samples[i]["tools"] else [] for i, _ in live])   # a row without tools: one turn
+        pending = []
         for (i, k), out in zip(live, outs):
             t, c = trajs[i][k], out.outputs[0]
             tokens = list(c.token_ids)
@@ -204,28 +225,42 @@ def rollout(samples, n, processor, args, generate, any_live):
             elif turn == args.max_turns - 1 or t["model_tokens"] >= args.max_completion_length:
                 t["finish_reason"] = "length"           # a call with no turn left to answer in
             else:
-                answer(t, samples[i], processor, args)
+                pending.append((t, samples[i]))
+        if pending:
+            answer(pending, processor, args)
     return trajs
 
 
-def answer(t, sample, processor, args):
-    """Run the call that ended trajectory t's last turn and append the tool message, in both forms: vLLM's (one
-    <|image_pad|> per image; it expands them) and the training forward's (the processor's, expanded), masked
-    out of the loss. A result that would take the prompt past --limit_images images keeps its text only."""
-    parts, error = run_call(t["turns"][-1], sample, sample["tools"])
-    images = [p for p in parts if not isinstance(p, str)]
-    if images and len(sample["images"]) + len(t["images"]) + len(images) > args.limit_images:
-        error = f"the image limit (--limit_images {args.limit_images}) is reached"
-        parts, images = [f"Error: {error}; no more images"], []
-    t["calls"].append((t["turns"][-1], error))
-    text = response(processor, parts)
-    hf = processor(text=[text], images=images or None, return_tensors="pt")
-    ids = hf["input_ids"][0].tolist()
-    t["vllm_ids"] += processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    t["ids"] += ids
-    t["mask"] += [0] * len(ids)
-    t["logps"] += [0.0] * len(ids)
-    t["mm_types"] += hf["mm_token_type_ids"][0].tolist()
-    t["images"] += images
-    if images:
-        t["mm"].append({k: hf[k] for k in ("pixel_values", "image_grid_thw")})
+def answer(pending, processor, args):
+    """Run the call that ended the last turn of each (trajectory, sample) in `pending` and append its tool message,
+    in both forms: vLLM's (one <|image_pad|> per image; it expands them) and the training forward's (the
+    processor's, expanded), masked out of the loss. One processor call for the whole turn: called once per message
+    it took a quarter of a multi-turn step (docs/verification.md). A result that would take the prompt past
+    --limit_images images keeps its text only."""
+    texts, images_of = [], []
+    for t, sample in pending:
+        parts, error = run_call(t["turns"][-1], sample, sample["tools"])
+        images = [p for p in parts if not isinstance(p, str)]
+        if images and len(sample["images"]) + len(t["images"]) + len(images) > args.limit_images:
+            error = f"the image limit (--limit_images {args.limit_images}) is reached"
+            parts, images = [f"Error: {error}; no more images"], []
+        t["calls"].append((t["turns"][-1], error))
+        texts.append(response(processor, parts))
+        images_of.append(images)
+    flat = [im for images in images_of for im in images]
+    hf = processor(text=texts, images=flat or None, padding=True, return_tensors="pt")
+    pixels = iter(hf["pixel_values"].split(hf["image_grid_thw"].prod(-1).tolist()) if flat else ())
+    grids = iter(hf["image_grid_thw"] if flat else ())
+    for (t, _), images, text_ids, row, keep, types in zip(pending, images_of, processor.tokenizer(
+            texts, add_special_tokens=False)["input_ids"], hf["input_ids"], hf["attention_mask"].bool(),
+            hf["mm_token_type_ids"]):
+        ids = row[keep].tolist()   # (T,) this message's tokens, the batch's padding dropped
+        t["vllm_ids"] += text_ids
+        t["ids"] += ids
+        t["mask"] += [0] * len(ids)
+        t["logps"] += [0.0] * len(ids)
+        t["mm_types"] += types[keep].tolist()
+        t["images"] += images
+        if images:
+            t["mm"].append({"pixel_values": torch.cat([next(pixels) for _ in images]),
+                            "image_grid_thw": torch.stack([next(grids) for _ in images])})

@@ -119,6 +119,31 @@ def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
     assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the checks, only in the crop
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(arch):
+    """toolbox.answer runs the processor once for a turn's tool messages (crops of different sizes, an error, a
+    message past --limit_images): each trajectory gets the tokens, the types and the pixels that a call of its own
+    gives, the batch's padding dropped."""
+    s, processor, args = sample_of(arch)
+    seen = s["images"][0].width
+    turns = [tiny.zoom_call(seen), '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
+             '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": %d, "y2": %d}}\n</tool_call>'
+             % (seen, seen // 2), tiny.zoom_call(seen)]
+
+    def fresh(turn, k):
+        return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[s["images"][0]] * (k == 3) * 3, mm=[],
+                    turns=[turn], calls=[])
+    alone = [fresh(turn, k) for k, turn in enumerate(turns)]
+    for t in alone:
+        toolbox.answer([(t, s)], processor, args)
+    together = [fresh(turn, k) for k, turn in enumerate(turns)]
+    toolbox.answer([(t, s) for t in together], processor, args)
+    assert [len(t["images"]) for t in together] == [1, 0, 1, 3] and "--limit_images" in together[3]["calls"][0][1]
+    for a, b in zip(alone, together):
+        assert {k: v for k, v in a.items() if k != "mm"} == {k: v for k, v in b.items() if k != "mm"}
+        assert len(a["mm"]) == len(b["mm"]) and all(torch.equal(x[k], y[k]) for x, y in zip(a["mm"], b["mm"]) for k in x)
+
+
 @pytest.mark.parametrize("text,reason", [
     ('<tool_call>\n{"name": "crop", "arguments": {"x1": 2,}}\n</tool_call>', "the call is not JSON"),
     ('<tool_call>\n["crop"]\n</tool_call>', 'the call must be {"name"'),
@@ -220,6 +245,13 @@ def test_the_planner_counts_the_tool_messages():
     act = [planner.plan(a, cluster, s)["phases"]["update"]["gpu"]["activations"] for a in (plain, tools)]
     assert act[1] > act[0]
     assert sum(planner.step_seconds(tools, cluster, s).values()) > sum(planner.step_seconds(plain, cluster, s).values())
+    # vLLM's processor cache of a step's prompt images (each rank's engine: 8 prompts x 3 images at 24 B a pixel)
+    cache = 8 * 3 * 1280 * 28 * 28 * 24
+    assert planner.plan(tools, cluster, s)["phases"]["rollout"]["host"]["vLLM processor cache (--tools)"] == 8 * cache
+    assert "vLLM processor cache (--tools)" not in planner.plan(plain, cluster, s)["phases"]["rollout"]["host"]
+    model_dir = zoom("qwen2_5_vl")[0]
+    kw = [rollout.engine_kwargs(model_dir, a, "bfloat16", 64, 0, cuda=True) for a in (plain, tools)]
+    assert kw[0]["mm_processor_cache_gb"] == 0 and kw[1]["mm_processor_cache_gb"] * 2 ** 30 == cache
 
 
 @pytest.mark.launch
