@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 import inspect
 import json
+import os
 import re
 
 import torch
@@ -28,10 +29,16 @@ CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
 
 
-@functools.lru_cache(maxsize=4)
 def opened(source):
-    """data.open_image, kept for the few sources last opened: a turn's calls come a sample's trajectories at a time,
-    and each decoded the same original again (0.09 s of a 0.32 s step in make bench's multi-turn rollout)."""
+    """data.open_image, kept for the few sources (paths, bytes) last opened: a turn's calls come a sample's
+    trajectories at a time, and each decoded the same original again (0.09 s of a 0.32 s step in make bench's
+    multi-turn rollout). A PIL image (HF datasets decode them) is decoded already, and unhashable."""
+    import data
+    return _opened(source) if isinstance(source, (str, bytes, os.PathLike)) else data.open_image(source)
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(source):
     import data
     return data.open_image(source)
 

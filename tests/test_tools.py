@@ -117,6 +117,8 @@ def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
     want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels, args.max_pixels, 28)
     assert np.array_equal(np.asarray(crop), np.asarray(want))
     assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the checks, only in the crop
+    decoded = dict(s, sources=[data.open_image(s["sources"][0])])   # an HF dataset's row: a PIL image, not a path
+    assert np.array_equal(np.asarray(toolbox.run_call(tiny.zoom_call(seen.width), decoded, ["crop"])[0][0]), np.asarray(want))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
