@@ -19,7 +19,7 @@ import torch
 import checkpoint
 import flags
 import model
-from conftest import ROOT
+from conftest import ROOT, terminal_signals
 
 
 def engine_of(*argv):
@@ -184,7 +184,7 @@ def test_ctrl_c_and_a_hang_up_finish_the_step_and_checkpoint(tmp_path):
     that the launcher gives it 30 s; a second Ctrl-C stops at once; nohup's ignored SIGHUP stays ignored."""
     code = SIGNALS.format(root=ROOT)
     r = subprocess.run([sys.executable, "-c", code, "SIGHUP", "SIGINT", "SIGINT"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, preexec_fn=terminal_signals)
     assert "FLAGGED ['SIGHUP']\n" in r.stdout and "FLAGGED ['SIGHUP', 'SIGINT']\n" in r.stdout, r.stdout + r.stderr
     assert "[preempt] SIGHUP on rank 0: finishing this step, then checkpoint and exit 75" in r.stdout
     assert "[preempt] Ctrl-C: this step finishes, then a checkpoint and exit 75. DeepSpeed's launcher SIGKILLs the " \

@@ -22,6 +22,7 @@ from conftest import (
     launch,
     mapped_elsewhere,
     read_metrics,
+    terminal_signals,
     tiny_of,
     wait_for_group,
     wandb_history,
@@ -43,7 +44,8 @@ def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None, runne
     n = len([f for f in os.listdir(out_dir) if f.startswith(name)])
     path = os.path.join(out_dir, f"{name}{n}.log")
     log = open(path, "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), path
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=terminal_signals), path
 
 
 def start_and_kill(out_dir, when, hold=None):
