@@ -392,6 +392,9 @@ def plan(args, cluster, s=None):
     # block at a time (its input and output, the MLP's hidden); G copies of each without the shared prefix
     vision_pass = images * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"])
     tp = args.vllm_tensor_parallel_size
+    # --tools: vLLM's processor cache of one step's prompt images (rollout.engine_kwargs) in every rank's process: each
+    # rank of a tensor-parallel group runs vLLM's front end (external_launcher) for the group's prompts
+    processor_cache = toolbox.processor_cache_gb(args, args.rollout_batch_size // world * tp, max_pixels) * GB
     weights = s["n"] * p
     trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
     # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
@@ -418,8 +421,7 @@ def plan(args, cluster, s=None):
         add("host", "log-prob chunk", chunk, ("update", "old_ref_logps"))
         add("host", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
         if args.tools:
-            add("host", "vLLM processor cache (--tools)",
-                toolbox.processor_cache_gb(args, args.rollout_batch_size // world, max_pixels) * GB)
+            add("host", "vLLM processor cache (--tools)", processor_cache)
         return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
                 "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens,
                 "video_tokens": video, "micro_batch": mb}
@@ -467,10 +469,8 @@ def plan(args, cluster, s=None):
         add("gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
         # both levels copy those tags into pinned blocks while vLLM sleeps (20 MiB segments, 32 MiB blocks)
         add("host", "vLLM CUDA graphs sleep copy (pinned)", math.ceil(graphs / (20 * MiB)) * 32 * MiB * ranks, TRAINER)
-    if args.tools:   # vLLM's processor cache of one step's prompt images (rollout.engine_kwargs), in every rank's
-        # process: each rank of a tensor-parallel group runs vLLM's front end (external_launcher) for the group's prompts
-        add("host", "vLLM processor cache (--tools)",
-            toolbox.processor_cache_gb(args, max_seqs // args.num_generations, max_pixels) * GB * ranks)
+    if args.tools:
+        add("host", "vLLM processor cache (--tools)", processor_cache * ranks)
     if args.sleep_level == 1:
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
             TRAINER)
