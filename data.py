@@ -187,11 +187,22 @@ def video_sources(field, where):
     return [list(v) if isinstance(v, (list, tuple)) else v for v in items]
 
 
-def vllm_media(sample):
-    """A sample's (or a multi-turn request's) multi_modal_data for vLLM: its images as PIL images and its videos as
-    (frames, metadata) pairs (vLLM 0.32 refuses a video without metadata: "Video metadata is required")."""
+def vllm_request(sample):
+    """A sample's (or a multi-turn request's) prompt for vLLM: its token ids, its images as PIL images with their
+    content ids (multi_modal_uuids: vLLM keys its processor, encoder and prefix caches on them instead of hashing
+    the pixels again for every request: a multi-turn step sends a prompt's image with each trajectory's every turn),
+    its videos as (frames, metadata) pairs (vLLM 0.32 refuses a video without metadata: "Video metadata is
+    required"; vLLM hashes them itself)."""
     media = {"image": sample["images"]} if sample["images"] else {}
-    return {**media, "video": sample["videos"]} if sample.get("videos") else media
+    media = {**media, "video": sample["videos"]} if sample.get("videos") else media
+    return {"prompt_token_ids": sample["vllm_ids"], **({"multi_modal_data": media} if media else {}),
+            **({"multi_modal_uuids": {"image": sample["image_ids"]}} if sample["images"] else {})}
+
+
+def content_id(image):
+    """A PIL image's identity for vLLM's caches: a digest of its mode, size and pixels (the same image, the same id,
+    as vLLM's own hash gives; another image, another id). Made once per image, where the image is made."""
+    return hashlib.blake2b(f"{image.mode} {image.size}".encode() + image.tobytes(), digest_size=16).hexdigest()
 
 
 def load_video(source, args, factor, temporal, name=None):
@@ -473,9 +484,9 @@ def prepare(row, processor, args):
         columns.setdefault("seen_size", list(pil[0].size))
     # an image field present but empty (a parquet cell of None, "image": ""): trained text-only, and counted
     empty = not pil and any(k in row for k in ("image", "images"))
-    # videos: each (frames, metadata) as vLLM takes it (vllm_media); sources and pixel_bounds: what a tool
+    # videos: each (frames, metadata) as vLLM takes it (vllm_request); sources and pixel_bounds: what a tool
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
-    return dict(images=pil, videos=clips, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"),
+    return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"),
                 empty_image=empty, sources=[source(im) for im in images],
                 pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=tools)
 

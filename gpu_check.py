@@ -584,7 +584,7 @@ def vllm_case(box, level, dtype):
     rollout.wake(llm, level, ["kv_cache"])
     sampling = grpo.Sampling(temperature=0.9, banned=box.sampling.banned)
     sps = [rollout.sampling_params(sampling, n=4, max_tokens=8, logprobs=0, seed=i) for i in range(len(box.samples))]
-    reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in box.samples]
+    reqs = [data.vllm_request(s) for s in box.samples]
     comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
     seqs = [s for s in box.samples for _ in range(4)]
     batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id,

@@ -195,7 +195,7 @@ def run_call(text, sample, names, time_s=TOOL_TIME_S):
 
 def rollout(samples, n, processor, args, generate, any_live):
     """n trajectories per sample (--tools): every live trajectory advances one turn per `generate(requests,
-    keys, budgets)` call (all of them batched, never one request at a time). A turn ends at the end of a tool
+    keys, budgets, stops, n)` call (all of them batched, never one request at a time). A turn ends at the end of a tool
     call (`</tool_call>`, a stop token), at the end of the answer, or at the budget: --max_completion_length
     counts every model token of a trajectory, --max_turns its model turns. After a call the tool runs and the
     template's tool message (response) is appended; the next turn continues from the tokens already there:
@@ -205,20 +205,24 @@ def rollout(samples, n, processor, args, generate, any_live):
     field, else --tools); with none its trajectories have one turn. -> per sample, n dicts (train.py makes
     Completion records)."""
     end_call = processor.tokenizer.convert_tokens_to_ids("</tool_call>")
-    trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], mm=[], turns=[], calls=[],
+    trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[], calls=[],
                    model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
     for turn in range(args.max_turns):
         live = [(i, k) for i, ts in enumerate(trajs) for k, t in enumerate(ts) if t["finish_reason"] is None]
         if not any_live(len(live)):
             break
-        requests = [dict(vllm_ids=samples[i]["vllm_ids"] + trajs[i][k]["vllm_ids"],
-                         images=samples[i]["images"] + trajs[i][k]["images"]) for i, k in live]
-        outs = generate(requests, [(i, k, turn) for i, k in live],
-                        [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in live],
-                        [[end_call] if samples[i]["tools"] else [] for i, _ in live])   # a row without tools: one turn
+        # the first turn: a sample's n trajectories start from its prompt alone, one request with n samples (vLLM
+        # renders the prompt and its images once, not n times); later turns: one request per live trajectory
+        asked = [(i, None) for i in range(len(samples))] if turn == 0 else live
+        requests = [{key: samples[i][key] + (trajs[i][k][key] if turn else []) for key in ("vllm_ids", "images", "image_ids")}
+                    for i, k in asked]
+        outs = generate(requests, [(i, k, turn) if turn else (i, turn) for i, k in asked],
+                        [args.max_completion_length - (trajs[i][k]["model_tokens"] if turn else 0) for i, k in asked],
+                        [[end_call] if samples[i]["tools"] else [] for i, _ in asked],   # a row without tools: one turn
+                        n if turn == 0 else 1)
         pending = []
-        for (i, k), out in zip(live, outs):
-            t, c = trajs[i][k], out.outputs[0]
+        for (i, k), c in zip(live, [c for out in outs for c in out.outputs]):
+            t = trajs[i][k]
             tokens = list(c.token_ids)
             t["ids"] += tokens
             t["vllm_ids"] += tokens
@@ -241,33 +245,44 @@ def rollout(samples, n, processor, args, generate, any_live):
 def answer(pending, processor, args):
     """Run the call that ended the last turn of each (trajectory, sample) in `pending` and append its tool message,
     in both forms: vLLM's (one <|image_pad|> per image; it expands them) and the training forward's (the
-    processor's, expanded), masked out of the loss. One processor call for the whole turn: called once per message
-    it took a quarter of a multi-turn step (docs/verification.md). A result that would take the prompt past
-    --limit_images images keeps its text only."""
-    texts, images_of = [], []
+    processor's, expanded), masked out of the loss. A call that repeats another trajectory's on the same sample (a
+    group's trajectories often write the same one) runs once, and their messages share its images, one content id
+    each: vLLM processes and encodes such an image once. One processor call for the turn's distinct messages:
+    called once per message it took a quarter of a multi-turn step (docs/verification.md). A result that would take
+    the prompt past --limit_images images keeps its text only."""
+    import data
+    ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
     for t, sample in pending:
-        parts, error = run_call(t["turns"][-1], sample, sample["tools"])
+        call = t["turns"][-1]
+        if (id(sample), call) not in ran:
+            ran[id(sample), call] = run_call(call, sample, sample["tools"])
+        parts, error = ran[id(sample), call]
         images = [p for p in parts if not isinstance(p, str)]
         if images and len(sample["images"]) + len(t["images"]) + len(images) > args.limit_images:
             error = f"the image limit (--limit_images {args.limit_images}) is reached"
             parts, images = [f"Error: {error}; no more images"], []
-        t["calls"].append((t["turns"][-1], error))
-        texts.append(response(processor, parts))
-        images_of.append(images)
-    flat = [im for images in images_of for im in images]
+        t["calls"].append((call, error))
+        text = response(processor, parts)
+        which.append(messages.setdefault((text, tuple(map(id, images))), (len(messages), text, images))[0])
+    rows = list(messages.values())
+    texts, flat = [text for _, text, _ in rows], [im for _, _, images in rows for im in images]
     hf = processor(text=texts, images=flat or None, padding=True, return_tensors="pt")
     pixels = iter(hf["pixel_values"].split(hf["image_grid_thw"].prod(-1).tolist()) if flat else ())
     grids = iter(hf["image_grid_thw"] if flat else ())
-    for (t, _), images, text_ids, row, keep, types in zip(pending, images_of, processor.tokenizer(
-            texts, add_special_tokens=False)["input_ids"], hf["input_ids"], hf["attention_mask"].bool(),
-            hf["mm_token_type_ids"]):
-        ids = row[keep].tolist()   # (T,) this message's tokens, the batch's padding dropped
-        t["vllm_ids"] += text_ids
-        t["ids"] += ids
-        t["mask"] += [0] * len(ids)
-        t["logps"] += [0.0] * len(ids)
-        t["mm_types"] += types[keep].tolist()
-        t["images"] += images
-        if images:
-            t["mm"].append({"pixel_values": torch.cat([next(pixels) for _ in images]),
-                            "image_grid_thw": torch.stack([next(grids) for _ in images])})
+    made = [dict(vllm_ids=text_ids, ids=row[keep].tolist(), types=types[keep].tolist(), images=images,   # padding dropped
+                 image_ids=[data.content_id(im) for im in images],
+                 mm={"pixel_values": torch.cat([next(pixels) for _ in images]),
+                     "image_grid_thw": torch.stack([next(grids) for _ in images])} if images else None)
+            for (_, _, images), text_ids, row, keep, types in zip(
+                rows, processor.tokenizer(texts, add_special_tokens=False)["input_ids"], hf["input_ids"],
+                hf["attention_mask"].bool(), hf["mm_token_type_ids"])]
+    for (t, _), m in zip(pending, [made[i] for i in which]):
+        t["vllm_ids"] += m["vllm_ids"]
+        t["ids"] += m["ids"]
+        t["mask"] += [0] * len(m["ids"])
+        t["logps"] += [0.0] * len(m["ids"])
+        t["mm_types"] += m["types"]
+        t["images"] += m["images"]
+        t["image_ids"] += m["image_ids"]
+        if m["mm"]:
+            t["mm"].append(m["mm"])

@@ -174,8 +174,7 @@ def sampling_of(args, banned):
 def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
     tp = run.args.vllm_tensor_parallel_size
-    requests = [{"prompt_token_ids": s["vllm_ids"], **({"multi_modal_data": m} if (m := data.vllm_media(s)) else {})}
-                for s in samples]
+    requests = [data.vllm_request(s) for s in samples]
     reqs, offset = ranks.tp_gather(requests, run.tp_group, tp)
     params, _ = ranks.tp_gather(sps, run.tp_group, tp)
     if not reqs:   # the whole TP group is done (multi-turn: its trajectories ended before the busiest rank's)
@@ -400,8 +399,8 @@ def trajectories(run, samples, step, round=0, greedy=False):
     args = run.args
     sampling = dataclasses.replace(run.sampling, temperature=0.0) if greedy else run.sampling
 
-    def generate(requests, keys, budgets, stops):
-        sps = [rollout.sampling_params(sampling, n=1, max_tokens=b, logprobs=0, stop_token_ids=stop,
+    def generate(requests, keys, budgets, stops, n):   # n > 1: vLLM seeds the k-th of them with seed + k
+        sps = [rollout.sampling_params(sampling, n=n, max_tokens=b, logprobs=0, stop_token_ids=stop,
                                        seed=hash((args.seed, step, run.rank, round) + key) % 2 ** 31)
                for key, b, stop in zip(keys, budgets, stops)]
         return run_vllm(run, requests, sps)

@@ -103,6 +103,16 @@ def test_stream_skips_and_counts_bad_samples(tmp_path, processor):
     assert {s["columns"]["solution"] for s in got} == {"red", "blue"}
 
 
+def test_an_images_content_id_is_its_pixels_own():
+    """vLLM keys its caches on the ids data.vllm_request sends (multi_modal_uuids), so an id must change with any
+    pixel, the size or the mode, and stay with the content (a copy, the same pixels decoded again)."""
+    im = Image.new("RGB", (4, 4), (10, 20, 30))
+    dot = im.copy()
+    dot.putpixel((3, 3), (10, 20, 31))
+    ids = {data.content_id(x) for x in (im, dot, im.resize((8, 2)), Image.new("RGB", (2, 8), (10, 20, 30)), im.convert("RGBX"))}
+    assert len(ids) == 5 and data.content_id(im.copy()) == data.content_id(im)
+
+
 @pytest.mark.parametrize("arch,grid", [("qwen2_5_vl", 28), ("qwen3_vl", 32), ("qwen3_5", 32)])
 def test_same_pixels_for_vllm_and_training(tmp_path, arch, grid):
     """Each family's grid (patch x merge, read from its processor): the image is downscaled once onto

@@ -306,8 +306,7 @@ def sample(arch, llm, seed=0):
     samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:2]]
     sampling = grpo.Sampling(banned=tuple(rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))
     sps = [rollout.sampling_params(sampling, n=G, max_tokens=MAX_TOKENS, logprobs=0, seed=seed + i) for i in range(2)]
-    outs = rollout.generate(llm, [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": data.vllm_media(s)}
-                                  for s in samples], sps)
+    outs = rollout.generate(llm, [data.vllm_request(s) for s in samples], sps)
     return samples, outs, sampling, processor.tokenizer.pad_token_id or 0
 
 

@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools (--tools, toolbox.py): the real vLLM engine runs the trajectories, the tool runs
 between turns, and the trainer's forward over the prompt and the whole trajectory (tool images through the vision
 tower, M-RoPE over the full sequence) agrees with the sampler on the model's tokens, which alone are trained."""
+import functools
 import os
 import types
 
@@ -50,14 +51,22 @@ def gaps(run, groups, policy):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, world1):
-    """Four prompts x 4 trajectories at T 0.8 on the zoom model (its prior calls the crop about half the time):
-    turns that called the tool got its image back; the trainer's log-probs of the model's tokens, over the
-    whole sequence with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in
-    test_vllm_agreement), one sequence per completion and with the shared prefix (Qwen3.5: the first only, it
-    falls back); a tool token left in the loss mask (its sampler log-prob is no log-prob) is caught. The same
-    pixels reach both: each crop vLLM was given is the one the processor turned into the trainer's inputs."""
+def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, world1, monkeypatch):
+    """Four prompts x 4 trajectories at T 0.8 on the zoom model (its prior calls the crop most of the time; the
+    fourth row shows no tools, so its trajectories answer at once, beside the others in the micro-batches): turns
+    that called the tool got its image back; the trainer's log-probs of the model's tokens, over the whole sequence
+    with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in test_vllm_agreement),
+    one sequence per completion and with the shared prefix (Qwen3.5: the first only, it falls back); a tool token
+    left in the loss mask (its sampler log-prob is no log-prob) is caught. The same pixels reach both: each crop
+    vLLM was given is the one the processor turned into the trainer's inputs. Every image goes with its content id
+    (data.vllm_request), and vLLM hashes no image's pixels."""
+    from PIL import Image
+    from vllm.multimodal.hasher import MultiModalHasher
     run, samples, model_dir = zoom_run(arch, llm_of, "--temperature", "0.8", "--num_generations", "4")
+    hashed, serialize = [], MultiModalHasher.serialize_item.__func__   # from here: the engine's start-up hashes its dummy
+    monkeypatch.setattr(MultiModalHasher, "serialize_item", classmethod(
+        lambda cls, obj: (isinstance(obj, Image.Image) and hashed.append(obj)) or serialize(cls, obj)))
+    samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args)   # one turn, no tool
     bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
     sent = []
     generate = run.llm.generate
@@ -68,6 +77,8 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
     assert called and all(len(c.mask) == len(c.token_ids) == len(c.sampler_logps) for c in comps)
     assert all(c.mm["pixel_values"].shape[0] > 0 for c in called) and any(not c.calls for c in comps)
     run.llm.generate = generate
+    assert not hashed and all(r["multi_modal_uuids"]["image"] == [data.content_id(im) for im in r["multi_modal_data"]["image"]]
+                              for r in sent)
     for c in called:   # vLLM's last request of the trajectory holds its crops, as PIL images; the trainer's pixels are theirs
         request = next(r for r in reversed(sent) if any(im is c.images[-1] for im in r["multi_modal_data"]["image"]))
         assert [im for im in request["multi_modal_data"]["image"] if im in c.images] == c.images
@@ -122,25 +133,30 @@ def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(arch):
+def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(arch, monkeypatch):
     """toolbox.answer runs the processor once for a turn's tool messages (crops of different sizes, an error, a
     message past --limit_images): each trajectory gets the tokens, the types and the pixels that a call of its own
-    gives, the batch's padding dropped."""
+    gives, the batch's padding dropped, and each tool image's content id (vLLM's cache key). A call repeated on the
+    same sample (the first, the fourth and the fifth) runs once, and its messages share the crop."""
     s, processor, args = sample_of(arch)
     seen = s["images"][0].width
     turns = [tiny.zoom_call(seen), '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
              '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": %d, "y2": %d}}\n</tool_call>'
-             % (seen, seen // 2), tiny.zoom_call(seen)]
+             % (seen, seen // 2), tiny.zoom_call(seen), tiny.zoom_call(seen)]
 
     def fresh(turn, k):
-        return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[s["images"][0]] * (k == 3) * 3, mm=[],
-                    turns=[turn], calls=[])
+        return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[s["images"][0]] * (k == 3) * 3,
+                    image_ids=s["image_ids"] * (k == 3) * 3, mm=[], turns=[turn], calls=[])
     alone = [fresh(turn, k) for k, turn in enumerate(turns)]
     for t in alone:
         toolbox.answer([(t, s)], processor, args)
-    together = [fresh(turn, k) for k, turn in enumerate(turns)]
+    together, crops = [fresh(turn, k) for k, turn in enumerate(turns)], []
+    crop = toolbox.TOOLS["crop"]
+    monkeypatch.setitem(toolbox.TOOLS, "crop", functools.wraps(crop)(lambda *a, **k: crops.append(k) or crop(*a, **k)))
     toolbox.answer([(t, s) for t in together], processor, args)
-    assert [len(t["images"]) for t in together] == [1, 0, 1, 3] and "--limit_images" in together[3]["calls"][0][1]
+    assert [len(t["images"]) for t in together] == [1, 0, 1, 3, 1] and "--limit_images" in together[3]["calls"][0][1]
+    assert len(crops) == 2 and together[4]["images"][0] is together[0]["images"][0]
+    assert all(t["image_ids"] == [data.content_id(im) for im in t["images"]] for t in together)
     for a, b in zip(alone, together):
         assert {k: v for k, v in a.items() if k != "mm"} == {k: v for k, v in b.items() if k != "mm"}
         assert len(a["mm"]) == len(b["mm"]) and all(torch.equal(x[k], y[k]) for x, y in zip(a["mm"], b["mm"]) for k in x)

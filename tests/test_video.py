@@ -289,7 +289,7 @@ def test_vllm_and_the_trainer_get_the_same_frames_grids_and_tokens(family):
     try:
         for s in family.samples:
             pixels.clear(), grids.clear()
-            request = {"prompt_token_ids": s["vllm_ids"], "multi_modal_data": data.vllm_media(s)}
+            request = data.vllm_request(s)
             out = rollout.generate(family.llm, [request], [rollout.sampling_params(grpo.Sampling(), n=1, max_tokens=1)])
             assert list(out[0].prompt_token_ids) == s["hf"]["input_ids"][0].tolist()
             trainer = {k: (s["hf"][k], s["hf"][g].tolist()) for k, g in

@@ -63,7 +63,7 @@ def max_logp_diff(llm, model, processor, samples, seed, temperature=1.0, top_p=1
     sampling = grpo.Sampling(temperature=temperature, top_p=top_p, top_k=top_k, banned=tuple(banned))
     sps = [rollout.sampling_params(sampling, n=G, max_tokens=MAX_TOKENS, logprobs=0, seed=seed + i)
            for i in range(len(samples))]
-    reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": data.vllm_media(s)} for s in samples]
+    reqs = [data.vllm_request(s) for s in samples]
     comps = [c for o in rollout.generate(llm, reqs, sps, lora_request) for c in o.outputs]
     assert not any(t in banned for c in comps for t in c.token_ids)
     seqs = [s for s in samples for _ in range(G)]
