@@ -486,8 +486,8 @@ def prepare(row, processor, args):
     empty = not pil and any(k in row for k in ("image", "images"))
     # videos: each (frames, metadata) as vLLM takes it (vllm_request); sources and pixel_bounds: what a tool
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
-    return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf, columns=columns, where=where, id=row.get("_id"),
-                empty_image=empty, sources=[source(im) for im in images],
+    return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
+                columns=columns, where=where, id=row.get("_id"), empty_image=empty, sources=[source(im) for im in images],
                 pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=tools)
 
 
