@@ -211,15 +211,16 @@ def rollout(samples, n, processor, args, generate, any_live):
         live = [(i, k) for i, ts in enumerate(trajs) for k, t in enumerate(ts) if t["finish_reason"] is None]
         if not any_live(len(live)):
             break
-        # the first turn: a sample's n trajectories start from its prompt alone, one request with n samples (vLLM
-        # renders the prompt and its images once, not n times); later turns: one request per live trajectory
-        asked = [(i, None) for i in range(len(samples))] if turn == 0 else live
-        requests = [{key: samples[i][key] + (trajs[i][k][key] if turn else []) for key in ("vllm_ids", "images", "image_ids")}
-                    for i, k in asked]
-        outs = generate(requests, [(i, k, turn) if turn else (i, turn) for i, k in asked],
-                        [args.max_completion_length - (trajs[i][k]["model_tokens"] if turn else 0) for i, k in asked],
+        # the first turn: a sample's n trajectories are still empty and start from its prompt alone, one request with
+        # n samples (vLLM renders the prompt and its images once, not n times), the first standing for all; later
+        # turns: one request per live trajectory
+        first = turn == 0
+        asked = [(i, 0) for i in range(len(samples))] if first else live
+        requests = [{key: samples[i][key] + trajs[i][k][key] for key in ("vllm_ids", "images", "image_ids")} for i, k in asked]
+        outs = generate(requests, [(i, turn) if first else (i, k, turn) for i, k in asked],
+                        [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in asked],
                         [[end_call] if samples[i]["tools"] else [] for i, _ in asked],   # a row without tools: one turn
-                        n if turn == 0 else 1)
+                        n if first else 1)
         pending = []
         for (i, k), c in zip(live, [c for out in outs for c in out.outputs]):
             t = trajs[i][k]
