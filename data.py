@@ -32,8 +32,12 @@ import torch.distributed as dist
 from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-import toolbox
 from model import image_grid
+
+# The defaults of the pixel flags, in merged tokens on the model's grid (pixel_bounds, video_bounds; flags.py's help)
+IMAGE_TOKENS = 1280   # --max_pixels by default: this many merged image tokens per image (pixel_bounds)
+VIDEO_FRAME_TOKENS = (128, 768)   # --video_min_pixels, --video_max_pixels by default: merged tokens a frame
+VIDEO_TOKENS = 2048   # --video_total_pixels by default: a video's merged tokens at most (video_bounds)
 
 
 # ----------------------------------------------------------------------------- images
@@ -46,9 +50,8 @@ def downscale(img, min_pixels, max_pixels, factor):
 
 def pixel_bounds(args, processor):
     """-> (min_pixels, max_pixels) of this run: the flags, or by default the processor's own minimum and
-    flags.IMAGE_TOKENS merged tokens on the model's grid. Refused (SystemExit) outside the processor's
+    IMAGE_TOKENS merged tokens on the model's grid. Refused (SystemExit) outside the processor's
     bounds: it would resize the images again, and vLLM and training would see other pixels."""
-    from flags import IMAGE_TOKENS
     size, grid = processor.image_processor.size, image_grid(processor)
     lo = size["shortest_edge"] if args.min_pixels is None else args.min_pixels
     hi = min(IMAGE_TOKENS * grid ** 2, size["longest_edge"]) if args.max_pixels is None else args.max_pixels
@@ -113,9 +116,8 @@ VIDEO_SEEK_SECONDS = 4.0   # a chosen frame further ahead than this is reached b
 
 def video_bounds(args, grid):
     """-> (min, max) pixels of one frame and the pixel budget of a whole video: the flags, or by default
-    flags.VIDEO_FRAME_TOKENS and flags.VIDEO_TOKENS merged tokens on the model's grid (qwen-vl-utils' rule: a
+    VIDEO_FRAME_TOKENS and VIDEO_TOKENS merged tokens on the model's grid (qwen-vl-utils' rule: a
     video's tokens stay within budget / grid^2, however many frames it has)."""
-    from flags import VIDEO_FRAME_TOKENS, VIDEO_TOKENS
     lo = args.video_min_pixels or VIDEO_FRAME_TOKENS[0] * grid ** 2
     hi = args.video_max_pixels or VIDEO_FRAME_TOKENS[1] * grid ** 2
     return lo, max(lo, hi), args.video_total_pixels or VIDEO_TOKENS * grid ** 2
@@ -197,6 +199,35 @@ def vllm_request(sample):
     media = {**media, "video": sample["videos"]} if sample.get("videos") else media
     return {"prompt_token_ids": sample["vllm_ids"], **({"multi_modal_data": media} if media else {}),
             **({"multi_modal_uuids": {"image": sample["image_ids"]}} if sample["images"] else {})}
+
+
+# Qwen's own tools block (its Qwen2.5 and Qwen3 templates), for a chat template that shows no tools (prompt)
+HERMES = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+          "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
+          "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+          '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+_said = set()
+
+
+def prompt(processor, messages, tools=None):
+    """The prompt text of `messages` by the checkpoint's chat template; with tools (`tools`: their JSON schemas,
+    toolbox.schemas) as the template shows them (`tools=`, as TRL passes them). A template that shows none
+    (Qwen2.5-VL's as shipped) gets Qwen's own tools block (HERMES) at the head of the system message, said once."""
+    def render(msgs, **kw):
+        return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+    if not tools:
+        return render(messages)
+    text = render(messages, tools=tools)
+    if text != render(messages):
+        return text
+    if "template" not in _said:
+        _said.add("template")
+        print("[tools] this checkpoint's chat template shows no tools: they go at the head of the system message, "
+              "in the format of Qwen's own templates (data.HERMES)")
+    block = HERMES.format(tools="\n".join(json.dumps(t) for t in tools))
+    system = [m for m in messages if m["role"] == "system"]
+    head = {"role": "system", "content": (system[0]["content"] + "\n\n" if system else "") + block}
+    return render([head] + [m for m in messages if m["role"] != "system"])
 
 
 def content_id(image):
@@ -329,12 +360,19 @@ def _hashed(value):
     return hashlib.sha1(value if isinstance(value, bytes) else repr(value).encode()).hexdigest()
 
 
+def file_crc32(path, chunk=4 << 20):   # 4 MiB reads: 3.4 GB/s here, 64 MiB ones 1.2
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
 def source_fingerprint(path):
     """What tells a data source's contents apart, cheaply, for the checkpoint: a file's size and CRC32 (JSONL,
     parquet); for a `datasets` folder (save_to_disk) its files' sizes and the fingerprints `datasets` writes into
     state.json (a new one for every transform: shuffle, select, map, ...). An appended, shuffled or edited file
     gets another; a copy of the same file elsewhere does not (its path is compared as a flag)."""
-    from checkpoint import file_crc32
     if not os.path.isdir(path):
         return {"size": os.path.getsize(path), "crc32": file_crc32(path)}
     parts, size = [], 0
@@ -406,9 +444,14 @@ def image_path(base, name):
     return os.path.join(base, name)
 
 
-def prepare(row, processor, args):
+def prepare(row, processor, args, tools=None):
     """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
-    training. Raises ValueError naming the sample for anything that cannot be trained on."""
+    training. `tools`: {name: JSON schema} of the run's tools (--tools; toolbox.schemas), which the prompt shows
+    (a row's own "tools" field: a part of them, or none). Raises ValueError naming the sample for anything that
+    cannot be trained on."""
+    tools = tools or {}
+    if set(getattr(args, "tools", None) or []) - set(tools):
+        raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: tools=toolbox.schemas(args.tools)")
     where = row["_where"]
     images = row.get("image", row.get("images"))
     images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
@@ -457,11 +500,11 @@ def prepare(row, processor, args):
         [{"type": "text", "text": question}]
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
         [{"role": "user", "content": content}]
-    tools = row.get("tools", getattr(args, "tools", None) or [])   # a row may show fewer tools than --tools, or none
-    if not isinstance(tools, list) or set(tools) - set(getattr(args, "tools", None) or []):
-        raise ValueError(f"{where}: tools {tools!r}: a row's own tools are a list of --tools "
-                         f"({getattr(args, 'tools', None) or 'none given'})")
-    text = toolbox.prompt(processor, messages, tools)
+    names = row.get("tools", list(tools))   # a row may show fewer tools than --tools, or none
+    if not isinstance(names, list) or set(names) - set(tools):
+        raise ValueError(f"{where}: tools {names!r}: a row's own tools are a list of --tools "
+                         f"({' '.join(tools) or 'none given'})")
+    text = prompt(processor, messages, [tools[n] for n in names])
     pad = getattr(processor, "video_token", "<|video_pad|>")
     if text.count(pad) != len(clips):
         raise ValueError(f"{where}: the chat template wrote {text.count(pad)} {pad} for {len(clips)} video(s); a "
@@ -488,7 +531,7 @@ def prepare(row, processor, args):
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
     return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
                 columns=columns, where=where, id=row.get("_id"), empty_image=empty, sources=[source(im) for im in images],
-                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=tools)
+                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names)
 
 
 class PromptStream:
@@ -499,8 +542,9 @@ class PromptStream:
     train.select_prompts reads it); it is checkpointed with the position. `consumed`: {epoch: rows} that the
     ranks of an earlier launch with another number of ranks took in an epoch this one has not finished
     (regroup): skipped, so that no row comes twice in that epoch. `source`: the source's fingerprint."""
-    def __init__(self, rows, processor, args, rank, world):
+    def __init__(self, rows, processor, args, rank, world, tools=None):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
+        self.tools = tools   # {name: JSON schema} of --tools (prepare)
         self.epoch, self.cursor, self.skipped, self.history, self.empty_images = 0, 0, 0, {}, 0
         self.consumed, self.source = {}, getattr(rows, "fingerprint", None)
 
@@ -554,7 +598,7 @@ class PromptStream:
                 continue
             row = self.rows[i]
             try:
-                out.append(prepare(row, self.processor, self.args))
+                out.append(prepare(row, self.processor, self.args, self.tools))
                 if out[-1]["empty_image"]:
                     self.empty_images += 1
                     if self.empty_images == 1:
@@ -587,13 +631,13 @@ def consumed_rows(states, n, seed):
     return taken
 
 
-def validation_samples(args, processor, rank, world):
+def validation_samples(args, processor, rank, world, tools=None):
     """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. A
     file of which no rank keeps a sample is refused at start (check_validation), on every rank alike."""
     rows, out, skipped = Rows(args.val_data, args.columns, args.image_root), [], []
     for i in range(rank, len(rows), world):
         try:
-            out.append(prepare(rows[i], processor, args))
+            out.append(prepare(rows[i], processor, args, tools))
         except ValueError as e:
             skipped.append((i, str(e)))
             print(f"[data] validation: skipped {e}")

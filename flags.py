@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 
+import data
 import grpo
 import ranks
 import reward
+import tiny
 import toolbox
 
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and the final answer in <answer> </answer> "
@@ -16,9 +18,6 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # --lora_target_modules
-IMAGE_TOKENS = 1280   # --max_pixels by default: this many merged image tokens per image (data.pixel_bounds)
-VIDEO_FRAME_TOKENS = (128, 768)   # --video_min_pixels, --video_max_pixels by default: merged tokens a frame
-VIDEO_TOKENS = 2048   # --video_total_pixels by default: a video's merged tokens at most (data.video_bounds)
 
 
 def build_parser():
@@ -90,14 +89,14 @@ def build_parser():
     g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
     g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
-    g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
+    g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
     g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none")
     g.add_argument("--video_fps", type=float, default=2.0, help="frames a second taken from a video file (a list of frames is taken as this many a second)")
     g.add_argument("--video_max_frames", type=int, default=32, help="frames of a video at most (evenly spread over a longer one); a frame count is a multiple of the temporal patch (2)")
-    g.add_argument("--video_min_pixels", type=int, default=None, help=f"upscale video frames to at least this many pixels; default: {VIDEO_FRAME_TOKENS[0]} tokens on the model's grid")
-    g.add_argument("--video_max_pixels", type=int, default=None, help=f"downscale video frames to at most this many pixels; default: {VIDEO_FRAME_TOKENS[1]} tokens on the model's grid")
-    g.add_argument("--video_total_pixels", type=int, default=None, help=f"a video's pixel budget (qwen-vl-utils' total_pixels): its frames are downscaled so that its tokens stay within this / the grid squared (longer videos, smaller frames; --video_min_pixels wins); default: {VIDEO_TOKENS} tokens on the model's grid")
+    g.add_argument("--video_min_pixels", type=int, default=None, help=f"upscale video frames to at least this many pixels; default: {data.VIDEO_FRAME_TOKENS[0]} tokens on the model's grid")
+    g.add_argument("--video_max_pixels", type=int, default=None, help=f"downscale video frames to at most this many pixels; default: {data.VIDEO_FRAME_TOKENS[1]} tokens on the model's grid")
+    g.add_argument("--video_total_pixels", type=int, default=None, help=f"a video's pixel budget (qwen-vl-utils' total_pixels): its frames are downscaled so that its tokens stay within this / the grid squared (longer videos, smaller frames; --video_min_pixels wins); default: {data.VIDEO_TOKENS} tokens on the model's grid")
     g.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
     g.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
     g.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"], help="STATIC ZeRO-3 offload, for the whole run: none (every state on the GPU, fastest), optimizer (optimizer states + fp32 master in host RAM, the Adam step on the CPU), all (params too: ds_zero3.json). Default: ds_zero3.json's (all), or none with --offload_optimizer / --offload_model")
@@ -170,7 +169,6 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     if args.model is None:
-        import tiny
         grid = 2 * tiny.PATCH[args.tiny_arch]   # the tiny task's 56 px images: 4 tokens (the grounding's 28 px: 1)
         p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": grid ** 2, "max_pixels": (2 * grid) ** 2,
                           # the motion task's 8 frames of 56 px at 2 a second: 4 tokens a frame, 16 a video

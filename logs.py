@@ -4,8 +4,9 @@ reward.png. A wandb failure never stops training: metrics.jsonl keeps every row,
 launch logs the rows wandb is missing again."""
 import json
 import os
+import secrets
 
-import checkpoint
+import job
 
 # Seconds wandb.init may wait for its server before the run goes on offline. wandb's own default is 90 (and
 # 10 more of grace), and every rank waits while rank 0 does (issue 32, item 9). WANDB_INIT_TIMEOUT overrides it.
@@ -18,10 +19,10 @@ def open_logs(run, resumed):
     args = run.args
     on = run.master and args.report_to == "wandb"
     run.wandb = start_wandb(args, wandb_mode() if on else "disabled",
-                            checkpoint.wandb_run_id(args.output_dir, fresh=args.resume == "none") if on else None)
+                            wandb_run_id(args.output_dir, fresh=args.resume == "none") if on else None)
     run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if run.master:
-        kept = checkpoint.trim_metrics(run.metrics_path, run.start if resumed else -1)
+        kept = trim_metrics(run.metrics_path, run.start if resumed else -1)
         # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
         # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
         for row in kept if on else []:
@@ -112,3 +113,28 @@ def plot_rewards(metrics_path):
     png = os.path.join(os.path.dirname(metrics_path), "reward.png")
     fig.savefig(png, dpi=100, bbox_inches="tight")
     return png
+
+
+def trim_metrics(path, step):
+    """Keep the rows of metrics.jsonl up to `step` (the checkpoint resumed from; later steps are
+    trained and logged again) and return them. A line torn by a kill mid-append is dropped."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    for i, line in enumerate(open(path), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"[resume] {path}:{i}: dropped a torn line (killed mid-write)")
+    keep = [r for r in rows if r["step"] <= step]
+    job.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+    return keep
+
+
+def wandb_run_id(output_dir, fresh=False):
+    """One wandb run per output_dir: its id is written there on the first launch, before any step,
+    so a relaunch continues the same run even when the first kill came before the first checkpoint."""
+    path = os.path.join(output_dir, "wandb_run_id")
+    if fresh or not os.path.exists(path):
+        job.write_atomic(path, secrets.token_hex(4))   # wandb's id alphabet; not `random`, which is seeded
+    return open(path).read().strip()

@@ -18,6 +18,7 @@ import time
 import psutil
 import torch
 
+import planner
 import ranks
 
 GB = 1024 ** 3
@@ -280,5 +281,4 @@ def report_oom(exc, phase=None, table=None):
 if __name__ == "__main__":   # python memory.py plan [train.py's flags] --gpus_per_node 8 --gpu_gb 80 --host_gb 1024
     if sys.argv[1:2] != ["plan"]:
         sys.exit("usage: python memory.py plan [train.py's flags] --gpus_per_node N --gpu_gb G --host_gb H [--nodes K] [--cpu]")
-    import planner
     sys.exit(planner.main(sys.argv[2:]))

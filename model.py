@@ -590,6 +590,42 @@ def outside_zero3():
             hf_ds.set_hf_deepspeed_config(live)
 
 
+def update_params(targets, sources, fn):
+    """Change parameters in place, whatever their ZeRO-3 state: fn(target, *sources) edits each target tensor in
+    place, given the same part of each of its sources (an EMA: fn = lambda r, p: r.lerp_(p, 1 - decay); a reset:
+    lambda r, p: r.copy_(p)). targets: [param]; sources: [[param, ...]] beside them (the same shapes). A collective
+    under ZeRO-3: every rank calls it with the same parameters.
+
+    Under ZeRO-3 a parameter's truth is its partition, param.ds_tensor (this rank's shard; in host RAM under
+    offload_param), and fn edits that, given the sources' partitions (the same module's layout on as many ranks:
+    the same slices). A parameter kept whole on every rank (`stage3_param_persistence_threshold`: persistent ones,
+    gathered once and never again by an engine without an optimizer step, the reference's) or gathered just now
+    (inside a forward) is partitioned again and gathered from the edited shards: editing only its shard would leave
+    the whole copy its forwards read unchanged (the EMA reference's KL was off by 4e-3 so). A plain module (no
+    ZeRO-3): fn edits param.data. -> how many parameters were edited."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    whole = []
+    with torch.no_grad():
+        for t, srcs in zip(targets, sources):
+            if not hasattr(t, "ds_tensor"):   # a plain parameter
+                fn(t.data, *(s.data for s in srcs))
+                continue
+            if any(s.ds_tensor.numel() != t.ds_tensor.numel() for s in srcs):
+                raise ValueError(f"model.update_params: parameter {t.ds_id} and its source are partitioned apart "
+                                 f"({t.ds_tensor.numel()} vs {[s.ds_tensor.numel() for s in srcs]} elements a rank)")
+            if getattr(t.ds_tensor, "final_location", None) is not None:
+                raise NotImplementedError("model.update_params: a partition swapped to NVMe (offload_param nvme)")
+            fn(t.ds_tensor.data, *(s.ds_tensor.data.to(t.ds_tensor.device) for s in srcs))
+            if t.ds_status == ZeroParamStatus.AVAILABLE:
+                whole.append(t)
+    if whole:   # the whole copies from the edited shards; persistent ones stay whole, as DeepSpeed keeps them
+        whole[0].partition(param_list=whole, has_been_updated=False)
+        persist = [t for t in whole if t.ds_persist]
+        if persist:
+            persist[0].all_gather(param_list=persist)
+    return len(targets)
+
+
 def reference_config(cfg, ref_offload):
     """The reference model's DeepSpeed config: the trainer's without optimizer, and its ZeRO-3
     shards in host RAM (--ref_offload) or on the device (--no-ref_offload), whatever the trainer's are."""

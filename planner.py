@@ -26,8 +26,11 @@ import math
 import os
 import re
 
+import data
+import flags
+import model
+import tiny
 import toolbox
-from flags import IMAGE_TOKENS
 
 GB = 1024 ** 3
 
@@ -188,7 +191,7 @@ def sleep_copy_bytes(tensors, p, tp):
     return large + mid + small
 
 
-def model_shape(model):
+def model_shape(name):
     """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name. Qwen3.5's Gated
     DeltaNet layers keep a fixed state per sequence (a causal-conv window and a key x value matrix
     per value head), not KV that grows with tokens: L_attn counts only the full-attention layers.
@@ -199,13 +202,12 @@ def model_shape(model):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from model import family, outside_zero3
-    config = AutoConfig.from_pretrained(model) if os.path.isdir(str(model)) else builtin_config(model)
-    with outside_zero3(), torch.device("meta"):   # not partitioned beside a caller's live engine
+    config = AutoConfig.from_pretrained(name) if os.path.isdir(str(name)) else builtin_config(name)
+    with model.outside_zero3(), torch.device("meta"):   # not partitioned beside a caller's live engine
         m = AutoModelForImageTextToText.from_config(config)
     params = {id(p): p.numel() for p in m.parameters()}
     t, v = config.get_text_config(), config.vision_config
-    blocks = [mod for mod in m.modules() if type(mod).__name__ == family(config)["sparse_block"]]
+    blocks = [mod for mod in m.modules() if type(mod).__name__ == model.family(config)["sparse_block"]]
     width, idle, moe_block = getattr(t, "intermediate_size", None), 0, 0
     if blocks:   # routed experts: (E, 2I, H) and (E, H, I) per sparse layer, a token runs through top-k of them
         E, k, I = t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size
@@ -213,9 +215,9 @@ def model_shape(model):
         idle = len(blocks) * (E - k) * 3 * t.hidden_size * I
         moe_block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
     units = {}   # rollout.sync_units' units: a decoder layer or a vision block, gathered whole by the weight sync
-    for name, p in m.named_parameters():
-        unit = re.match(r"^(.*?\.(?:layers|blocks)\.\d+)\.", name)
-        units[unit.group(1) if unit else name] = units.get(unit.group(1) if unit else name, 0) + p.numel()
+    for pname, p in m.named_parameters():
+        unit = re.match(r"^(.*?\.(?:layers|blocks)\.\d+)\.", pname)
+        units[unit.group(1) if unit else pname] = units.get(unit.group(1) if unit else pname, 0) + p.numel()
     kinds = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
     n_linear = sum(k == "linear_attention" for k in kinds)
     state = 0
@@ -295,8 +297,7 @@ def video_tokens(args, grid, temporal=2):
     against vLLM and against clips."""
     if not args.limit_videos:
         return 0
-    from data import video_bounds
-    lo, hi, total = video_bounds(args, grid)
+    lo, hi, total = data.video_bounds(args, grid)
     frames = max(temporal, args.video_max_frames // temporal * temporal)
     return frames // temporal * max(min(hi, total * temporal // frames), lo) // grid ** 2
 
@@ -363,16 +364,14 @@ def plan(args, cluster, s=None):
     """-> {"phases": {phase: {"gpu": {term: bytes}, "host": {term: bytes}}}, "shape", "notes", ...}.
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
     every term is host RAM and "host" is one rank's, as metrics.jsonl's mem/*/host_peak_gb measures."""
-    from flags import micro_batch
-    from model import ds_config, use_bf16
     s = s or model_shape(args.model)
     world, ranks = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node
-    p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
-    mb = micro_batch(args, world)
-    cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
+    p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
+    mb = flags.micro_batch(args, world)
+    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
-    max_pixels = args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2   # train.py's default (data.pixel_bounds)
+    max_pixels = args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2   # train.py's default (data.pixel_bounds)
     tool = toolbox.trajectory_tokens(args, max_pixels, s["grid"])   # --tools: the tool messages between turns
     video = args.limit_videos * video_tokens(args, s["grid"])   # a prompt's videos, each the largest it may be
     image_tokens = min(args.limit_images * max_pixels // s["grid"] ** 2 + video, args.max_prompt_length + tool)
@@ -506,7 +505,7 @@ def vllm_cache(args, cluster, s, p):
     peak and CUDA graphs (gpu_worker.determine_available_memory)."""
     world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
-    tool = toolbox.trajectory_tokens(args, args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
+    tool = toolbox.trajectory_tokens(args, args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
     tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * (args.max_completion_length + tool))
     graphs = cudagraph_bytes(args)
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
@@ -574,8 +573,7 @@ def lever_list(args, cluster, s=None):
     if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
         L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
     if s is not None and args.limit_videos:   # the video bounds: fewer frames, or a smaller budget (smaller frames)
-        from data import video_bounds
-        total = video_bounds(args, s["grid"])[2]
+        total = data.video_bounds(args, s["grid"])[2]
         if args.video_max_frames >= 4:
             frames = args.video_max_frames // 4 * 2
             L.append((f"--video_max_frames {frames}", dict(video_max_frames=frames), None))
@@ -602,13 +600,12 @@ def lever_list(args, cluster, s=None):
 def levers(args, cluster, s, base=None):
     """-> [(flag, bytes saved on the worst phase)], largest saving first. A change that flags.check_args refuses
     beside the run's other flags (--offload_model with a frozen part, say) is not suggested."""
-    from flags import check_args
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
     for name, change, other in lever_list(args, cluster, s):
         a, c = argparse.Namespace(**{**vars(args), **change}), other or cluster
         try:
-            check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node)
+            flags.check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node)
         except SystemExit:
             continue
         out.append((name, base - worst(plan(a, c, s), c)))
@@ -636,8 +633,7 @@ AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0
 def static_offload(args, cluster):
     """The static ZeRO-3 offload the run's DeepSpeed config gets (model.ds_config: --zero_offload, or
     --deepspeed's file as the during-rollout flags leave it): "all" (params), "optimizer" or "none"."""
-    from model import ds_config
-    cfg = ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False, cuda=cluster.cuda)
+    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False, cuda=cluster.cuda)
     zo = cfg.get("zero_optimization", {})
     cpu = lambda key: zo.get(key, {}).get("device", "none") == "cpu"   # noqa: E731
     return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
@@ -652,17 +648,15 @@ def shares_prefix(args, s):
 def step_seconds(args, cluster, s):
     """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
     and reference log-probs, the update; what each lever adds)."""
-    from flags import micro_batch
-    from model import use_bf16
     c, world, tp = COST, cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
-    p = 2 if use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
+    p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     n, nt = s["n"], trainable_params(s, args)   # a mixture-of-experts model: the gathers move every expert,
     active = s.get("n_active", n)                 # a token's compute runs through its top-k
     seqs = args.rollout_batch_size // world * args.num_generations
-    micro = seqs // micro_batch(args, world)
+    micro = seqs // flags.micro_batch(args, world)
     logp_passes = 1 + (args.beta > 0 and not args.use_peft)   # old log-probs, and the reference's
     passes = 3 + args.gradient_checkpointing + logp_passes   # forward, backward (2x), recompute, log-probs
-    tool = toolbox.trajectory_tokens(args, args.max_pixels or IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
+    tool = toolbox.trajectory_tokens(args, args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
     tokens = seqs * (args.max_prompt_length + args.max_completion_length + tool)
     if shares_prefix(args, s):   # each group's prompt once in every training pass
         tokens = seqs // args.num_generations * args.max_prompt_length + seqs * (args.max_completion_length + tool)
@@ -696,7 +690,6 @@ def candidates(args, cluster):
     """Every valid combination (flags.check_args) of the AUTO levers the user did not set (args.explicit)."""
     import itertools
 
-    from flags import check_args
     world = cluster.gpus_per_node * cluster.nodes
     seqs = args.rollout_batch_size // world * args.num_generations
     opts = dict(AUTO, per_device_train_batch_size=tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0))
@@ -711,7 +704,7 @@ def candidates(args, cluster):
     for values in itertools.product(*opts.values()):
         a = argparse.Namespace(**{**vars(args), **dict(zip(opts, values))})
         try:
-            check_args(a, world, cluster.gpus_per_node)
+            flags.check_args(a, world, cluster.gpus_per_node)
         except SystemExit:
             continue
         yield a
@@ -754,8 +747,7 @@ def lever_flags(a, args=None):
 def faster(args, cluster, s):
     """For a plan that fits: each single change of an AUTO lever that still fits and is estimated faster
     -> [(flags, seconds saved per step)], largest first (what --plan says besides what saves memory)."""
-    from flags import micro_batch
-    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": micro_batch(
+    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": flags.micro_batch(
         args, cluster.gpus_per_node * cluster.nodes), "zero_offload": static_offload(args, cluster)})   # defaults as values
     base, out = sum(step_seconds(args, cluster, s).values()), {}
     for a in candidates(args, cluster):
@@ -837,10 +829,8 @@ def parse(argv):
     c.add_argument("--json", default=None, help="also write the plan here")
     c.add_argument("--png", default=None, help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
     known, rest = c.parse_known_args(argv)
-    import flags
     args = flags.parse_args(rest)
     if args.model is None:   # the embedded default: its model dir, built if needed
-        import tiny
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
     cluster = Cluster(known.gpus_per_node, known.nodes, known.gpu_gb, known.host_gb, cuda=not known.cpu)
     flags.check_args(args, cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node)

@@ -425,8 +425,7 @@ def sync_adapter(llm, model, version):
     from peft import get_peft_model_state_dict
     from vllm.lora.request import LoRARequest
 
-    from model import adapter_state
-    state = get_peft_model_state_dict(model, state_dict=adapter_state(model))
+    state = get_peft_model_state_dict(model, state_dict=model_py.adapter_state(model))
     config = model.peft_config[model.active_adapter].to_dict()
     llm.collective_rpc(_add_adapter, args=(version, state, config))
     return LoRARequest(f"policy-v{version}", version, lora_path=f"in-memory://policy-v{version}")

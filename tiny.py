@@ -26,6 +26,10 @@ import random
 import shutil
 import tempfile
 
+import data
+import model as model_py
+import toolbox
+
 VERSION = "v7"  # bump when anything below changes, so cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
@@ -205,7 +209,6 @@ def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl",
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor
 
-    import model as model_py
     template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE if arch == "qwen2_5_vl" else QWEN3_CHAT_TEMPLATE
     tokenizer = build_tokenizer(extra_words, template=template, bpe=arch.startswith("qwen3_5"))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
@@ -407,21 +410,18 @@ def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
     """Give the zoom model the prior an Instruct checkpoint brings: half the time it answers at once, half the
     time it writes the crop call (zoom_call, exactly) and, shown the crop, answers after it; every answer a colour
     drawn at random, independent of the image. Supervised on whole trajectories as the rollout lays them out
-    (toolbox.prompt, toolbox.response), the prompt and tool messages masked; which way pays, and reading the
+    (data.prompt, toolbox.response), the prompt and tool messages masked; which way pays, and reading the
     crop, are left to GRPO."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    import data
-    import toolbox
     proc = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     grid = proc.image_processor.patch_size * proc.image_processor.merge_size
     lo, hi = grid ** 2, (2 * grid) ** 2   # the task's default bounds (flags.parse_args): 4 tokens an image
     rng, _ = random.Random(seed), torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prompt = toolbox.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ZOOM_QUESTION}]}],
-                            ["crop"])
+    prompt = data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ZOOM_QUESTION}]}],
+                         list(toolbox.schemas(["crop"]).values()))
     tok = proc.tokenizer
     for step in range(steps):
         colour = rng.choice(sorted(ZOOM_COLOURS))
@@ -529,7 +529,6 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5
     final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size, arch) if x not in ("colour", "tiny", "qwen2_5_vl")))
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
-        import model as model_py
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
         with model_py.outside_zero3():   # whole tensors saved, also when the caller holds a ZeRO-3 engine (gpu-check)
             build(tmp, task, size, arch)

@@ -24,6 +24,8 @@ import re
 
 import torch
 
+import data
+
 TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left to finish
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
@@ -33,13 +35,11 @@ def opened(source):
     """data.open_image, kept for the few sources (paths, bytes) last opened: a turn's calls come a sample's
     trajectories at a time, and each decoded the same original again (0.09 s of a 0.32 s step in make bench's
     multi-turn rollout). A PIL image (HF datasets decode them) is decoded already, and unhashable."""
-    import data
     return _opened(source) if isinstance(source, (str, bytes, os.PathLike)) else data.open_image(source)
 
 
 @functools.lru_cache(maxsize=4)
 def _opened(source):
-    import data
     return data.open_image(source)
 
 
@@ -52,7 +52,6 @@ def crop(sample, x1: int, y1: int, x2: int, y2: int):
         x2: right edge of the region, in pixels of the image as you see it
         y2: bottom edge of the region, in pixels of the image as you see it
     """
-    import data
     if not sample["images"]:
         raise ValueError("this question has no image to crop")
     seen = sample["images"][0]
@@ -66,35 +65,6 @@ def crop(sample, x1: int, y1: int, x2: int, y2: int):
 
 
 TOOLS = {"crop": crop}   # --tools: name -> function
-
-# Qwen's own tools block (its Qwen2.5 and Qwen3 templates), for a chat template that shows no tools (prompt)
-HERMES = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-          "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
-          "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-          '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-_said = set()
-
-
-def prompt(processor, messages, names=None):
-    """The prompt text of `messages` by the checkpoint's chat template; with tools (`names`, --tools) as the
-    template shows them (`tools=`, as TRL passes them). A template that shows none (Qwen2.5-VL's as shipped)
-    gets Qwen's own tools block (HERMES) at the head of the system message, said once."""
-    def render(msgs, **kw):
-        return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
-    if not names:
-        return render(messages)
-    tools = schemas(names)
-    text = render(messages, tools=tools)
-    if text != render(messages):
-        return text
-    if "template" not in _said:
-        _said.add("template")
-        print("[tools] this checkpoint's chat template shows no tools: they go at the head of the system message, "
-              "in the format of Qwen's own templates (toolbox.HERMES)")
-    block = HERMES.format(tools="\n".join(json.dumps(t) for t in tools))
-    system = [m for m in messages if m["role"] == "system"]
-    head = {"role": "system", "content": (system[0]["content"] + "\n\n" if system else "") + block}
-    return render([head] + [m for m in messages if m["role"] != "system"])
 
 
 MARK = "<<the model's turn>>"
@@ -110,10 +80,10 @@ def response(processor, parts):
 
 
 def schemas(names):
-    """The JSON schemas of the named tools as the chat template takes them (`tools=`): transformers'
-    get_json_schema of each function as the model calls it, its first parameter (`sample`) left out."""
+    """{name: JSON schema} of the named tools as the chat template takes them (`tools=`; data.prepare shows them):
+    transformers' get_json_schema of each function as the model calls it, its first parameter (`sample`) left out."""
     from transformers.utils import get_json_schema
-    out = []
+    out = {}
     for name in names:
         fn = TOOLS[name]
         params = list(inspect.signature(fn).parameters.values())[1:]
@@ -123,7 +93,7 @@ def schemas(names):
         visible.__name__, visible.__doc__ = fn.__name__, fn.__doc__
         visible.__signature__ = inspect.Signature(params)
         visible.__annotations__ = {p.name: p.annotation for p in params}
-        out.append(get_json_schema(visible))
+        out[name] = get_json_schema(visible)
     return out
 
 
@@ -251,7 +221,6 @@ def answer(pending, processor, args):
     each: vLLM processes and encodes such an image once. One processor call for the turn's distinct messages:
     called once per message it took a quarter of a multi-turn step (docs/verification.md). A result that would take
     the prompt past --limit_images images keeps its text only."""
-    import data
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
     for t, sample in pending:
         call = t["turns"][-1]

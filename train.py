@@ -9,25 +9,23 @@ with small fakes (tests/test_step.py). One step, every rank:
 
 Per prompt, one `Group` record (its sample) holds one `Completion` record per completion, which every
 phase reads and writes (token ids, sampler / old / reference log-probs, rewards, advantage); micro-batches
-are a layout that points at them. `Run` holds what the run owns, `run.sampling` the sampled distribution.
+are a layout that points at them. `Run` holds what the run owns (startup.setup builds it), `run.sampling` the
+sampled distribution.
 
     deepspeed train.py --num_generations 7                        # embedded tiny model + task
     deepspeed --num_gpus 8 train.py --model Qwen/Qwen2.5-VL-7B-Instruct \
         --train_data data/train.jsonl --val_data data/val.jsonl --bf16 --num_generations 7
 
-Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over ranks and the
-checked invariants: ranks.py. Data and images: data.py. The math: grpo.py. vLLM and the weight
-sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`).
-Checkpoints, resume, kills, preemption: checkpoint.py. metrics.jsonl, wandb and the plot: logs.py.
-Multi-turn rollouts with tools (--tools): trajectories(), the loop in toolbox.py. Left out on purpose: a trainer
-class, callbacks, a vLLM server mode, video.
+The set-up: startup.py. Flags: flags.py. The model and its DeepSpeed config: model.py. Reductions over ranks
+and the checked invariants: ranks.py. Data, images and videos: data.py. The math: grpo.py. vLLM and the weight
+sync: rollout.py. Memory: memory.py, and the plan before launch: planner.py (`--plan`). Checkpoints and resume:
+checkpoint.py; the job's lifetime (its folder, kills, preemption): job.py. metrics.jsonl, wandb and the plot:
+logs.py. Multi-turn rollouts with tools (--tools): trajectories(), the loop in toolbox.py. Left out on purpose: a
+trainer class, callbacks, a vLLM server mode.
 """
-import argparse
-import atexit
 import dataclasses
 import itertools
 import os
-import random
 import sys
 import time
 import warnings
@@ -36,6 +34,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 # DeepSpeed 0.19.8 calls torch.distributed.all_gather_into_tensor, deprecated in torch 2.13: one warning per gather
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
@@ -43,13 +42,14 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category
 import checkpoint  # noqa: E402
 import data
 import grpo
+import job
 import logs
 import memory
 import model
-import planner
 import ranks
 import reward
 import rollout
+import startup
 import toolbox
 from flags import check_args, grad_accumulation_steps, inert_flags, micro_batch, parse_args  # noqa: F401  (train.parse_args)
 
@@ -101,44 +101,6 @@ class Group:
         return [c.total for c in self.completions]
 
 
-@dataclasses.dataclass
-class Run:
-    """What the run holds, built by setup(); every phase takes it first."""
-    args: argparse.Namespace
-    rank: int
-    world: int
-    device: torch.device
-    gas: int                         # micro-batches per step (gradient accumulation steps)
-    engine: object                   # DeepSpeed engine of the policy
-    ref_engine: object               # DeepSpeed engine of the reference model, or None (beta == 0, or LoRA)
-    llm: object                      # this rank's vLLM engine
-    processor: object
-    stream: object                   # data.PromptStream: this rank's prompts
-    val_samples: list                # this rank's share of the validation set, prepared (None: no validation)
-    tp_group: object = None          # this rank's vLLM tensor-parallel group (None: tp 1)
-    sampling: grpo.Sampling = grpo.Sampling()   # the distribution vLLM samples from and the log-probs are of
-    pad_id: int = 0
-    tied: bool = False               # lm_head shares the embedding: not synced twice
-    aux_loss_coef: float = None      # mixture-of-experts: the router's load-balancing loss in the loss (None: dense)
-    lora_request: object = None      # --lora_sync adapter: the adapter version vLLM generates with
-    offload: list = dataclasses.field(default_factory=list)   # DeepSpeed offload_states types during rollout
-    wandb: object = None
-    metrics_path: str = None
-    start: int = 0                   # last finished step (resume)
-    updates: int = 0                 # update phases run by this process
-    synced_at: int = None            # `updates` when vLLM last got the weights (None: never)
-    hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
-    wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def per_rank(self):
-        return self.args.rollout_batch_size // self.world
-
-
 def completion_logps(engine, batch, run, with_entropy=False, with_kept=False):
     """Per-token statistics of one micro-batch's completions (policy or reference engine) under run.sampling,
     from one pass over the vocabulary -> grpo.TokenStats, each (B, C): logps; with `with_kept` (and top-k or
@@ -166,11 +128,6 @@ def from_rows(batch, name, t):
         setattr(c, name, t[j, C - len(c.token_ids):].detach().float().cpu())
 
 
-def sampling_of(args, banned):
-    """The one record of the sampled distribution (grpo.Sampling), from the flags and the checkpoint's banned ids."""
-    return grpo.Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, banned=tuple(banned))
-
-
 def run_vllm(run, samples, sps):
     """Generate for this rank's samples (via the whole TP group), return this rank's outputs."""
     tp = run.args.vllm_tensor_parallel_size
@@ -187,159 +144,6 @@ def run_vllm(run, samples, sps):
                          run.device, run.tp_group)
     outs = rollout.generate(run.llm, reqs, params, run.lora_request)
     return outs[offset:offset + len(samples)]
-
-
-# ----------------------------------------------------------------------------- set-up
-def setup(args):
-    """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-    from transformers import AutoConfig, AutoProcessor
-    from transformers.integrations import HfDeepSpeedConfig
-
-    if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
-        import tiny
-        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
-                                                                     arch=args.tiny_arch)
-        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task {args.train_data}")
-    if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:
-    # in between, one rank per node clears a lock a killed launch left behind, while the others wait
-    backend = get_accelerator().communication_backend_name()
-    dist.init_process_group(backend=backend)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        checkpoint.clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
-        checkpoint.clear_stale_shm_buffers()
-        checkpoint.clear_stale_vllm_shm()   # this job's own are made later, by the engines (rollout.create_engine)
-    refusal = [None]
-    if dist.get_rank() == 0:   # one live job per output folder, before anything is written there
-        os.makedirs(args.output_dir, exist_ok=True)
-        refusal = [checkpoint.claim_output_dir(args.output_dir)]
-    dist.broadcast_object_list(refusal, src=0)
-    if refusal[0]:
-        sys.exit(refusal[0])
-    if dist.get_rank() == 0:
-        checkpoint.heartbeat(args.output_dir)
-    dist.barrier()
-    deepspeed.init_distributed(dist_backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = ranks.local_world(world)
-    atexit.register(checkpoint.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
-    device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
-        if torch.cuda.is_available() else torch.device("cpu")
-    check_args(args, world)
-    resume_from = checkpoint.pick_checkpoint(args, rank, world)   # checked, its flags compared: before anything heavy
-    if rank == 0:
-        for note in inert_flags(args):
-            print(f"[flags] note: {note}", flush=True)
-    if args.memory == "auto":   # rank 0 picks the levers (one node's free RAM); every rank runs them, or refuses alike
-        chosen = [None]
-        if rank == 0:
-            try:
-                chosen = [planner.decide(args, this_cluster(local_world, world))]
-            except SystemExit as refusal:   # nothing fits: the table, on every rank
-                chosen = [str(refusal)]
-        dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], str):
-            sys.exit(chosen[0])
-        args = chosen[0]
-    args.per_device_train_batch_size = micro_batch(args, world)   # a named derived value, logged with the flags
-    gas = grad_accumulation_steps(args, world)
-    if args.train_data is None:
-        sys.exit("error: --train_data is required with --model")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    config = AutoConfig.from_pretrained(args.model)   # its family (model.FAMILIES) decides the CPU dtype
-    bf16 = model.use_bf16(args, config)
-    if rank == 0 and (kernels := model.linear_attention_kernels(config)):   # Qwen3.5: which GDN / conv1d kernels train
-        print(f"[setup] {kernels}")
-    aux_loss_coef, why = model.router_aux_loss_coef(args, config)   # mixture-of-experts: the router's loss, on or off
-    if rank == 0 and aux_loss_coef is not None:
-        print(f"[setup] mixture-of-experts: router aux loss x {aux_loss_coef:g} ({why}); its experts' blocks gathered "
-              f"whole by ZeRO-3 (model.moe_leaf_modules)")
-    if args.shared_prefix and (why := model.shared_prefix_unsupported(config, args.micro_batch_tokens)):
-        args.shared_prefix = False   # said once; the standard path gives the same loss
-        if rank == 0:
-            print(f"[setup] --shared_prefix falls back to one sequence per completion: {why}")
-    if rank == 0 and isinstance(attn := model.attention(args, config, model.flash_attn_installed() and bf16), dict):
-        print(f"[setup] attention: the text model runs {attn['']}, the vision tower "
-              f"{next(v for k, v in attn.items() if 'vision' in k)}")
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    os.makedirs(args.output_dir, exist_ok=True)
-    processor = AutoProcessor.from_pretrained(args.model)
-    args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)   # the model's grid and bounds by default
-
-    # ---- the memory plan, before anything is loaded: a run that would run out is refused here
-    cfg = model.ds_config(args, gas, world, bf16)
-    report = planner.preflight(args, this_cluster(local_world, world), allow=args.skip_memory_preflight)
-    if rank == 0:
-        print(report)
-
-    # ---- vLLM first, one engine per rank (or per TP group), asleep (--sleep_level 1|2) before the trainer's
-    # states reach the GPU: its pool and theirs then never meet at load (the plan's vllm_start and load phases)
-    tp = args.vllm_tensor_parallel_size
-    tp_group = None
-    if tp > 1:   # consecutive ranks, as vLLM's own groups; inside a node (check_args refuses a size that spans two)
-        tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
-    per_rank = args.rollout_batch_size // world
-    threads = rollout.torch_threads_share(local_world)
-    llm = rollout.create_engine(args.model, args, "bfloat16" if bf16 else "float32",
-                                max_num_seqs=max(per_rank * args.num_generations * tp, 16), rank=rank // tp)
-    threads = rollout.restore_threads(threads)
-    if rank == 0:   # the kernels torch dispatches follow the CPU's ISA: runs compare bitwise only on the same (docs/demos.md)
-        print(f"[setup] torch threads per rank after the vLLM engine started: {threads}; CPU kernels: "
-              f"{torch.backends.cpu.get_cpu_capability()}")
-    if args.sleep_level > 0:
-        rollout.sleep(llm, args.sleep_level, args.gc_collect_after_offload)
-
-    # ---- model, reference, optimizer under ZeRO-3
-    model.check_fused_adam(cfg)
-    dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
-    policy = model.load_model(args.model, args, dtype)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = model.trainable(policy, args)   # LoRA (--use_peft), frozen vision tower / projector
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
-                                      config=cfg, lr_scheduler=model.lr_schedule(args))
-    ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
-        if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
-    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)   # kept out of completions (logit_bias -inf)
-
-    # ---- data
-    stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world)
-    val_samples = data.validation_samples(args, processor, rank, world) if args.val_data else None
-
-    # ---- the trainer states that leave the GPU while vLLM generates
-    if (args.offload_optimizer or args.offload_model) and not torch.cuda.is_available():
-        if rank == 0:
-            print("[memory] --offload_optimizer/--offload_model: no-ops on CPU, where the trainer states live in host RAM")
-        args.offload_optimizer = args.offload_model = False
-    offload = ([OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads,
-                OffloadStateTypeEnum.contiguous_grad_buffer] if args.offload_optimizer else []) + \
-        ([OffloadStateTypeEnum.lp_params] if args.offload_model else [])
-
-    run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
-              processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
-              sampling=sampling_of(args, banned),
-              pad_id=processor.tokenizer.pad_token_id or 0,
-              tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload, hf_ds_config=dschf,
-              aux_loss_coef=aux_loss_coef)
-
-    # ---- resume: weights, optimizer, scheduler, step, data position, RNG
-    ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from)
-
-    # ---- logging: metrics.jsonl and wandb, continued from the checkpoint
-    logs.open_logs(run, resumed=bool(ckpt))
-    if run.master:
-        print(f"[setup] {world} ranks, {per_rank} prompts x {args.num_generations} generations per rank, "
-              f"{gas} micro-batches of {args.per_device_train_batch_size}; metrics -> {run.metrics_path}")
-    checkpoint.install_preemption_handler(rank)
-    return run
 
 
 # ----------------------------------------------------------------------------- the step's phases
@@ -786,32 +590,10 @@ def finish(run, export=True):
         print(f"[done] metrics: {run.metrics_path}  plot: {logs.plot_rewards(run.metrics_path)}")
     dist.barrier()
     if run.master:
-        checkpoint.release_output_dir(run.args.output_dir)   # the next launch into it may start
+        job.release_output_dir(run.args.output_dir)   # the next launch into it may start
 
 
 # ----------------------------------------------------------------------------- main
-def this_cluster(local_world, world):
-    """The planner's view of this launch: ranks per node, nodes, this GPU's memory, this node's free RAM."""
-    cuda = torch.cuda.is_available()
-    return planner.Cluster(gpus_per_node=local_world, nodes=max(1, world // local_world), cuda=cuda,
-                           gpu_gb=torch.cuda.get_device_properties(0).total_memory / memory.GB if cuda else 0.0,
-                           host_gb=memory.psutil.virtual_memory().available / memory.GB)
-
-
-def print_plan(args):
-    """--plan: `memory.py plan` for this launch (rank 0), before anything starts."""
-    if args.model is None:
-        import tiny
-        args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    check_args(args, world)
-    cluster = this_cluster(ranks.local_world(world), world)
-    if int(os.environ.get("RANK", 0)) == 0:
-        if args.memory == "auto":
-            args = planner.decide(args, cluster, verbose=True, exit_if_none=False)
-        s = planner.model_shape(args.model)
-        pl = planner.plan(args, cluster, s)
-        print(planner.render(pl, cluster, planner.levers(args, cluster, s, pl)))
 
 
 def train_step(run, step, m):
@@ -836,11 +618,10 @@ def train_step(run, step, m):
 
 
 def main(argv=None):
-    from tqdm import tqdm
     args = parse_args(argv)
     if args.plan:
-        return print_plan(args)
-    run = setup(args)
+        return startup.print_plan(args)
+    run = startup.setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
         validate(run, run.start, {})
     bar = tqdm(range(run.start + 1, args.max_steps + 1) if not args.val_only else [], disable=not run.master,
@@ -863,13 +644,13 @@ def main(argv=None):
             if saved:
                 with memory.phase("checkpoint", carry):
                     save(run, step)
-            if checkpoint.preemption_requested(run.device):   # SIGTERM/SIGUSR1/SIGHUP on any rank: all stop here
+            if job.preemption_requested(run.device):   # SIGTERM/SIGUSR1/SIGHUP on any rank: all stop here
                 if not saved:
                     save(run, step)
                 finish(run, export=False)
                 if run.master:
-                    print(f"[preempt] checkpoint-{step} written; exit {checkpoint.PREEMPTED}; relaunch to resume")
-                sys.exit(checkpoint.PREEMPTED)
+                    print(f"[preempt] checkpoint-{step} written; exit {job.PREEMPTED}; relaunch to resume")
+                sys.exit(job.PREEMPTED)
     if carry:   # the last step's validation and checkpoint phases: a row of their own, same step
         logs.write_metrics(run, ranks.reduce_metrics(carry, run.device), args.max_steps)
     finish(run)

@@ -57,7 +57,7 @@ _PORTS = []   # [the open lock file that holds this process's block, the block's
 def terminal_signals():
     """preexec_fn for a child that a signal test signals: SIGHUP and SIGINT as a terminal leaves them. A test run
     started under nohup hands its children both ignored (GNU timeout in between resets them), and
-    checkpoint.install_preemption_handler rightly keeps an inherited ignore: a full make test of 3069859 started
+    job.install_preemption_handler rightly keeps an inherited ignore: a full make test of 3069859 started
     with nohup failed the two hang-up tests so (both fail under `nohup pytest ...` without this). The nohup case
     has a test of its own."""
     import signal
@@ -170,7 +170,7 @@ FAST = ["--num_generations", "4", "--per_device_train_batch_size", "8", "--rollo
 @contextlib.contextmanager
 def mapped_elsewhere(path):
     """While open: another live process maps `path`, its file closed, as DeepSpeed's and vLLM's shm.cpp leave
-    their /dev/shm segments (checkpoint.held_files finds it by /proc/<pid>/maps)."""
+    their /dev/shm segments (job.held_files finds it by /proc/<pid>/maps)."""
     holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
                                "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(60)",
                                str(path)], stdout=subprocess.PIPE, text=True)

@@ -168,12 +168,12 @@ def test_a_whole_tmp_is_kept_and_an_unfinished_one_removed(world1, tmp_path, cap
 SIGNALS = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-import checkpoint
-checkpoint.install_preemption_handler(0)
+import job
+job.install_preemption_handler(0)
 for s in sys.argv[1:]:
     os.kill(os.getpid(), getattr(signal, s))
     time.sleep(0.2)
-    print("FLAGGED", [signal.Signals(x).name for x in checkpoint._signalled], flush=True)
+    print("FLAGGED", [signal.Signals(x).name for x in job._signalled], flush=True)
 """
 
 
@@ -289,7 +289,7 @@ def stream_of(path, rank=0, world=1, took=0, monkeypatch=None):
     import data
     stream = data.PromptStream(data.Rows(str(path)), None, flags.parse_args([]), rank, world)
     if took:
-        monkeypatch.setattr(data, "prepare", lambda r, processor, args: {"id": r["_id"], "empty_image": False})
+        monkeypatch.setattr(data, "prepare", lambda r, processor, args, tools=None: {"id": r["_id"], "empty_image": False})
         stream.history.update((s["id"], [1.0]) for s in stream.next(took))
     return stream
 

@@ -295,7 +295,7 @@ def test_an_all_bad_validation_file_stops_the_run_at_start(tmp_path):
 # ----------------------------------------------------------------------------- issue 32, items 4 and 5: the data position
 def taking(monkeypatch):
     """PromptStream.next without images or a processor: a prepared sample is its row's id."""
-    monkeypatch.setattr(data, "prepare", lambda r, processor, args: {"id": r["_id"], "empty_image": False})
+    monkeypatch.setattr(data, "prepare", lambda r, processor, args, tools=None: {"id": r["_id"], "empty_image": False})
 
 
 def take(stream, k):

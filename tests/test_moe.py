@@ -14,6 +14,7 @@ import torch
 import data
 import model as model_py
 import rollout
+import startup
 import train
 from conftest import MOE_ARCHS, ROOT, free_port, tiny_of
 
@@ -465,9 +466,9 @@ def test_the_flag_reaches_the_training_forward(arch, shared, replay_llm):
     llm = replay_llm(arch)
     rollout.sync_weights(llm, m, bucket_mb=1024)
     banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
-    run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=2, engine=PlainEngine(m),
+    run = startup.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=2, engine=PlainEngine(m),
                     ref_engine=None, llm=llm, processor=processor, stream=None, val_samples=None,
-                    sampling=train.sampling_of(args, banned), pad_id=processor.tokenizer.pad_token_id or 0,
+                    sampling=startup.sampling_of(args, banned), pad_id=processor.tokenizer.pad_token_id or 0,
                     aux_loss_coef=0.0)
     samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:2]]
     groups = train.rollout_groups(run, samples, step=1)

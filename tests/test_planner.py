@@ -14,6 +14,7 @@ import torch
 
 import model
 import planner
+import startup
 import train
 from conftest import ROOT, launch
 
@@ -327,8 +328,11 @@ def test_load_does_not_stack_vllms_pool_on_the_trainer_states():
     EasyR1's hardware table runs Qwen2.5-VL-3B on 4 x 40 GB (vLLM share 0.6, offload during rollout): refused
     at load by 3.6 GB while load stacked both, it fits. At --sleep_level 0 the pool stays and load holds both."""
     import inspect
-    src = inspect.getsource(train.setup)   # the order the plan assumes is the order the code runs in
-    assert src.index("rollout.create_engine(") < src.index("rollout.sleep(") < src.index("model.load_model(")
+    src = inspect.getsource(startup.setup)   # the order the plan assumes is the order the code runs in
+    assert src.index("start_vllm(") < src.index("load_models(")
+    src = inspect.getsource(startup.start_vllm)
+    assert src.index("rollout.create_engine(") < src.index("rollout.sleep(")
+    assert "model.load_model(" in inspect.getsource(startup.load_models)
     cluster = planner.Cluster(gpus_per_node=4, nodes=1, gpu_gb=40, host_gb=1024, cuda=True)
     flags = ["--model", "qwen2.5-vl-3b", "--bf16", "--sleep_level", "1", "--vllm_gpu_memory_utilization", "0.6",
              "--zero_offload", "none", "--offload_optimizer", "--offload_model", "--rollout_batch_size", "64",

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+import job
+import logs
 from conftest import (
     ARCHS,
     FAST,
@@ -298,14 +300,13 @@ def test_a_stale_jit_lock_does_not_hang_a_launch(tmp_path, tiny_default):
 
 
 def test_a_lock_with_a_live_holder_is_left_alone(tmp_path):
-    import checkpoint
     (tmp_path / "op").mkdir()
     held, stale = tmp_path / "op" / "lock", tmp_path / "other"
     fd = os.open(held, os.O_CREAT | os.O_EXCL)   # as torch's FileBaton holds it
     try:
         stale.mkdir()
         (stale / "lock").touch()
-        assert checkpoint.clear_stale_locks(str(tmp_path), settle_s=0.01) == [str(stale / "lock")]
+        assert job.clear_stale_locks(str(tmp_path), settle_s=0.01) == [str(stale / "lock")]
         assert held.exists()
     finally:
         os.close(fd)
@@ -332,7 +333,8 @@ def test_the_slow_disk_holds_a_checkpoints_rename_until_its_hold_file_goes(tmp_p
 KILL_MID_REWRITE = """
 import sys, time
 sys.path.insert(0, {root!r})
-import checkpoint
+import job
+import logs
 
 class Stuck:   # a disk that stops mid-write: half the text lands, then nothing more
     def __init__(self, f):
@@ -349,8 +351,8 @@ class Stuck:   # a disk that stops mid-write: half the text lands, then nothing 
     def __getattr__(self, name):
         return getattr(self.f, name)
 
-checkpoint.open = lambda file, mode="r", *a, **k: Stuck(open(file, mode, *a, **k)) if "w" in mode else open(file, mode, *a, **k)
-checkpoint.trim_metrics({path!r}, 40)
+job.open = lambda file, mode="r", *a, **k: Stuck(open(file, mode, *a, **k)) if "w" in mode else open(file, mode, *a, **k)
+logs.trim_metrics({path!r}, 40)
 """
 
 
@@ -369,12 +371,11 @@ def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
     assert steps == list(range(1, 52))            # the old file, whole (the rename never happened)
     with open(path, "a") as f:
         f.write('{"step": 52, "x"')              # a row torn by a kill mid-append
-    import checkpoint
-    assert [r["step"] for r in checkpoint.trim_metrics(str(path), 40)] == list(range(1, 41))
+    assert [r["step"] for r in logs.trim_metrics(str(path), 40)] == list(range(1, 41))
     torn = [f for f in os.listdir(tmp_path) if f.startswith("metrics.jsonl.tmp")]
     assert len(torn) == 1                        # the killed writer's half-written temp file, left behind
     (tmp_path / "notes.tmp").write_text("a user's file")
-    assert checkpoint.claim_output_dir(str(tmp_path)) is None   # the next job takes the folder and sweeps it
+    assert job.claim_output_dir(str(tmp_path)) is None   # the next job takes the folder and sweeps it
     assert sorted(os.listdir(tmp_path)) == [".owner.json", "metrics.jsonl", "notes.tmp"]
 
 
@@ -407,12 +408,11 @@ def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
 def test_stale_shm_buffers_are_removed_and_live_ones_kept(tmp_path):
     """A killed rank's /dev/shm allreduce buffer is removed at the next launch; one that a live
     process maps (another job's) stays. Here in a folder standing in for /dev/shm."""
-    import checkpoint
     dead, live = (tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{p}_0" for p in (1, 2))
     for f in (dead, live):
         f.write_bytes(b"\0" * 4096)
     with mapped_elsewhere(live):
-        removed = checkpoint.clear_stale_shm_buffers(str(tmp_path))
+        removed = job.clear_stale_shm_buffers(str(tmp_path))
     assert removed == [str(dead)] and live.exists()
 
 

@@ -14,6 +14,7 @@ import torch
 import data
 import grpo
 import ranks
+import startup
 import train
 
 G = 4
@@ -141,10 +142,10 @@ def make_run(parts, tmp_path, **flags):
     args = argparse.Namespace(**{**vars(args), "output_dir": str(tmp_path), **flags})   # parse_args's, with these changed
     banned = train.rollout.checkpoint_banned_ids(processor.tokenizer.name_or_path, processor.tokenizer)
     gas = len(samples) * args.num_generations // args.per_device_train_batch_size
-    run = train.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
+    run = startup.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
                     engine=FakeEngine(len(processor.tokenizer), gas), ref_engine=None,
                     llm=FakeLLM(processor.tokenizer, colour_answer(processor.tokenizer)), processor=processor,
-                    stream=FakeStream(pool[4:]), val_samples=samples, sampling=train.sampling_of(args, banned),
+                    stream=FakeStream(pool[4:]), val_samples=samples, sampling=startup.sampling_of(args, banned),
                     pad_id=processor.tokenizer.pad_token_id, metrics_path=str(tmp_path / "metrics.jsonl"),
                     wandb=types.SimpleNamespace(log=lambda *a, **k: None, id="fake"))
     return run, samples

@@ -11,6 +11,7 @@ import torch
 import data
 import model as model_py
 import rollout
+import startup
 import tiny
 import toolbox
 import train
@@ -31,9 +32,9 @@ def zoom_run(arch, llm_of, *flags):
     banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
     run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
                                 lora_request=None, pad_id=processor.tokenizer.pad_token_id,
-                                sampling=train.sampling_of(args, banned),
+                                sampling=startup.sampling_of(args, banned),
                                 llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
-    samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:4]]
+    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools)) for r in data.read_jsonl(train_jsonl)[:4]]
     return run, samples, model_dir
 
 
@@ -66,7 +67,8 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
     hashed, serialize = [], MultiModalHasher.serialize_item.__func__   # from here: the engine's start-up hashes its dummy
     monkeypatch.setattr(MultiModalHasher, "serialize_item", classmethod(
         lambda cls, obj: (isinstance(obj, Image.Image) and hashed.append(obj)) or serialize(cls, obj)))
-    samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args)   # one turn, no tool
+    samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args,
+                                toolbox.schemas(run.args.tools))   # one turn, no tool
     bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
     sent = []
     generate = run.llm.generate
@@ -99,7 +101,7 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
 def test_tools_are_functions_whose_schema_transformers_makes():
     """A tool is a plain function: its schema (what the chat template shows) is transformers' get_json_schema of
     it as the model calls it, without its first parameter, the sample."""
-    (schema,) = toolbox.schemas(["crop"])
+    (schema,) = toolbox.schemas(["crop"]).values()
     fn = schema["function"]
     assert fn["name"] == "crop" and fn["description"].startswith("Zoom in")
     assert list(fn["parameters"]["properties"]) == ["x1", "y1", "x2", "y2"] and fn["parameters"]["required"] == ["x1", "y1", "x2", "y2"]
@@ -112,7 +114,7 @@ def sample_of(arch="qwen2_5_vl"):
     model_dir, train_jsonl, _ = zoom(arch)
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch])
-    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args), processor, args
+    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools)), processor, args
 
 
 def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
@@ -215,12 +217,13 @@ def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys)
 
     from conftest import tiny_of
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
-    plain = toolbox.prompt(AutoProcessor.from_pretrained(tiny_of("qwen2_5_vl")[0]), messages, ["crop"])
+    crop = list(toolbox.schemas(["crop"]).values())
+    plain = data.prompt(AutoProcessor.from_pretrained(tiny_of("qwen2_5_vl")[0]), messages, crop)
     assert plain.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions") and '"name": "crop"' in plain
     assert "chat template shows no tools" in capsys.readouterr().out
     _, processor, _ = sample_of()
-    own = toolbox.prompt(processor, messages, ["crop"])
-    assert own.startswith("<|im_start|>system\n# Tools\n<tools>{") and "toolbox.HERMES" not in capsys.readouterr().out
+    own = data.prompt(processor, messages, crop)
+    assert own.startswith("<|im_start|>system\n# Tools\n<tools>{") and "data.HERMES" not in capsys.readouterr().out
 
 
 def runner_cache(worker):

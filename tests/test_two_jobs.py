@@ -15,6 +15,7 @@ import time
 import pytest
 from test_resume import SAME, preempted_at, trained
 
+import job
 from conftest import FAST, ROOT, command, mapped_elsewhere, node_commands, read_metrics
 
 TP2 = [*FAST, "--vllm_tensor_parallel_size", "2", "--max_steps", "2", "--val_freq", "0", "--no-save_final_model"]
@@ -85,13 +86,12 @@ def test_stale_vllm_segments_are_removed_and_live_ones_kept(tmp_path):
     """A killed job's vLLM CPU segments (this job's naming, and vLLM's own default) are removed at launch; one
     that a live process maps (another job's) stays, and so does a file that is no vLLM segment. In a folder
     standing in for /dev/shm."""
-    import checkpoint
     dead = [tmp_path / "vlm_grpo_0_127.0.0.1_1-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1"]
     live, other = tmp_path / "vlm_grpo_0_127.0.0.1_2-tp:0-[0-1]-cpushm_0", tmp_path / "psm_0a1b2c"
     for f in (*dead, live, other):
         f.write_bytes(b"\0" * 4096)
     with mapped_elsewhere(live):
-        removed = checkpoint.clear_stale_vllm_shm(str(tmp_path), settle_s=0.01)
+        removed = job.clear_stale_vllm_shm(str(tmp_path), settle_s=0.01)
     assert sorted(removed) == sorted(map(str, dead)) and live.exists() and other.exists()
 
 
