@@ -46,13 +46,15 @@ def set_rng_state(st):
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(engine, args, step, stream, run_id, rank):
+def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
     """Full state in output_dir/checkpoint-<step>: ZeRO-3 shards with optimizer and scheduler
     (DeepSpeed's save_checkpoint), every rank's RNG and data position, and last trainer_state.json: step,
     flags, ranks, wandb id and the manifest (every other file's size and CRC32) that pick_checkpoint checks
-    before a resume. Written to checkpoint-<step>.tmp and renamed last, so a crash mid-save never leaves a
-    directory that resume would pick as complete. A disk without room for it (make_room) stops the run before
-    the save; one that fills up during it stops the run saying so. Both name the last good checkpoint."""
+    before a resume; `reference` (ref engine, fp32 masters or None): a reference model that moves (--ref_ema), each
+    rank's part of it in reference<r>.pt (reference_parts). Written to checkpoint-<step>.tmp and renamed last, so a
+    crash mid-save never leaves a directory that resume would pick as complete. A disk without room for it
+    (make_room) stops the run before the save; one that fills up during it stops the run saying so. Both name the
+    last good checkpoint."""
     final = os.path.join(args.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     short = [make_room(args.output_dir, args.save_total_limit, step) if rank == 0 else None]
@@ -73,6 +75,8 @@ def save_checkpoint(engine, args, step, stream, run_id, rank):
             for state, key, buf in aside:
                 state[key] = buf
         torch.save({"rng": rng_state(), "stream": stream.state()}, os.path.join(tmp, f"rank{rank}.pt"))
+        if reference is not None:
+            torch.save(reference_parts(*reference), os.path.join(tmp, f"reference{rank}.pt"))
         dist.barrier()
         files = manifest(tmp)   # a collective: each rank reads its share of the files
         if rank == 0:
@@ -117,13 +121,15 @@ def drop_offload_buffers(engine):
     return len(found)
 
 
-def resume(engine, stream, args, rank, ckpt):
+def resume(engine, stream, args, rank, ckpt, reference=None):
     """Load `ckpt`, the checkpoint pick_checkpoint chose and checked (None: start at step 0): weights,
     optimizer, scheduler, this rank's data position and RNG, with this launch's learning rate, weight decay
     and schedule over the saved ones. A checkpoint of another number of ranks loads from the universal
     checkpoint pick_checkpoint made of it, and every rank's position and RNG are carried over from all the
     saved ones (regroup, rng_of_rank). Data that changed since the save (accepted with --accept_changed_data)
-    starts a fresh epoch. -> (the checkpoint or None, its step or 0)."""
+    starts a fresh epoch. `reference` (ref engine, fp32 masters or None): a reference that moves, loaded from the
+    checkpoint's reference<r>.pt files (load_reference), on any number of ranks. -> (the checkpoint or None, its
+    step or 0)."""
     if not ckpt:
         return None, 0
     with open(os.path.join(ckpt, STATE)) as f:
@@ -143,6 +149,8 @@ def resume(engine, stream, args, rank, ckpt):
         states = [rank_state(ckpt, r) for r in range(saved)]
         set_rng_state(rng_of_rank([st["rng"] for st in states], rank))
         stream.regroup([st["stream"] for st in states])
+    if reference is not None:
+        load_reference(*reference, ckpt, rank, world, saved)
     said = [f"[resume] from {ckpt}: step {state['step']}"]
     if saved != world:
         said.append(f"[resume] {saved} ranks saved it and {world} resume it: weights, Adam's moments and step, and "
@@ -157,6 +165,45 @@ def resume(engine, stream, args, rank, ckpt):
     if rank == 0:
         print("\n".join(said), flush=True)
     return ckpt, state["step"]
+
+
+# ----------------------------------------------------------------------------- the reference's own state
+# A reference model that moves (--ref_ema) has a state of its own. DeepSpeed saves no engine without an optimizer, so
+# each rank saves its part: every parameter's ZeRO-3 partition (ds_tensor) and, beside a bf16 reference, its fp32
+# master. ZeRO-3 pads a parameter to a multiple of the ranks and gives rank r the r-th slice of it, so the parts of
+# any number of ranks join into the whole parameter and split again for another (load_reference): the reference goes
+# through a change of rank count as the policy goes through DeepSpeed's universal checkpoint.
+def reference_parts(ref_engine, masters):
+    """This rank's part of a moving reference: {numel: each parameter's size, parts: its partitions, masters: the fp32
+    masters or None}, in the module's parameter order."""
+    params = list(ref_engine.module.parameters())
+    return {"numel": [p.ds_numel for p in params], "parts": [p.ds_tensor.detach().cpu().clone() for p in params],
+            "masters": [m.detach().cpu().clone() for m in masters] if masters else None}
+
+
+def load_reference(ref_engine, masters, ckpt, rank, world, saved):
+    """The reference's saved parts (reference_parts, `saved` ranks) into this launch's partitions and masters: each
+    parameter joined from the saving ranks' slices and this rank's slice of it taken (the same files when the rank
+    count is the same); the partitions set through model.update_params, so a parameter kept whole on every rank
+    is gathered again from them. A checkpoint without them (saved before the reference moved) leaves the reference
+    as loaded, said."""
+    paths = [os.path.join(ckpt, f"reference{r}.pt") for r in range(saved)]
+    if not all(os.path.exists(p) for p in paths):
+        if rank == 0:
+            print(f"[resume] {ckpt} holds no state of the reference model: it starts again from --model's weights")
+        return
+    states = [torch.load(p, weights_only=True) for p in (paths if saved != world else [paths[rank]])]
+    params = list(ref_engine.module.parameters())
+
+    def mine(kind, i, size):   # this rank's slice of parameter i, from every saving rank's slice of it
+        if saved == world:
+            return states[0][kind][i]
+        whole = torch.cat([st[kind][i] for st in states])[:states[0]["numel"][i]]
+        return torch.nn.functional.pad(whole, (0, size * world - whole.numel()))[rank * size:(rank + 1) * size]
+    parts = [mine("parts", i, p.ds_tensor.numel()) for i, p in enumerate(params)]
+    model.update_params(params, [[t] for t in parts], lambda r, t: r.copy_(t))
+    for i, m in enumerate(masters or []):
+        m.copy_(mine("masters", i, m.numel()))
 
 
 def rank_state(ckpt, rank):
@@ -549,7 +596,8 @@ CHANGES_THE_STATE = {
                      "advantage_estimator", "scale_rewards", "importance_sampling_level",
                      "vllm_importance_sampling_correction", "vllm_importance_sampling_cap", "dynamic_sampling",
                      "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature", "top_p", "top_k",
-                     "max_completion_length", "tools", "max_turns"), "the loss, the rewards and the sampling"),
+                     "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k", "ref_ema",
+                     "sft_coef"), "the loss, the rewards and the sampling"),
 }
 # set-up decides these after the comparison, when no launch gave them: compared only where one did
 DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",

@@ -56,18 +56,22 @@ def build_parser():
     g.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
     g.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
+    g.add_argument("--temperature_end", type=float, default=None, help="a temperature schedule: the sampling temperature goes linearly from --temperature at step 1 to this at --max_steps (logged as sampling/temperature; the trainer's log-probs follow it); default: constant")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the smallest set of the most likely tokens (after --top_k) holding this much probability; 1: off")
     g.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens only (before --top_p, vLLM's order); 0: off")
     g.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
+    g.add_argument("--ref_ema", type=float, default=0.0, help="the reference model follows the policy: after each update ref = this x ref + (1 - this) x policy (an EMA reference, e.g. 0.99; in fp32 beside a bf16 reference), saved in each checkpoint; 0: the reference stays the initial model. Needs --beta > 0, not with --use_peft")
     g.add_argument("--kl_in_reward", action="store_true", help="the KL penalty in the reward instead of the loss (REINFORCE++, PPO's RLHF set-up): beta x each completion's summed per-token KL to the reference (log pi_old - log pi_ref) comes off its reward before the advantages; the loss has no KL term; logged as reward/kl_penalty")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
     g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token (train/entropy is logged either way)")
+    g.add_argument("--sft_coef", type=float, default=0.0, help="a supervised loss beside the RL loss: this x the mean negative log-likelihood of each prompt's gold answer (its \"solution\" and the end of the turn), from a second forward in the same optimizer step (logged as train/sft_nll); 0: off")
     g.add_argument("--router_aux_loss_coef", type=float, default=None, help="mixture-of-experts: the router's load-balancing loss times this in the training loss (TRL's name); default: the checkpoint's router_aux_loss_coef where its config has output_router_logits true, else 0 (off), said at set-up. train/aux_loss and the experts' largest and smallest share of tokens are logged either way")
     g.add_argument("--routing_replay", action="store_true", help="mixture-of-experts: rollout routing replay (R3, as in verl, ms-swift, slime, NeMo-RL): the training forward sends each token through the experts vLLM routed it to, weighted by the live router's softmax over them (the router still trains), so that a routing decision flipped between the engines' kernels no longer separates the trainer's log-probs from the sampler's (rollout/logp_diff_max); vLLM returns them on a GPU, on CPU they are caught from its routers. Not with --num_iterations > 1, --kl_in_reward or --tools")
     g.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
     g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
-    g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks)")
+    g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks); pass_at_k: pass@k training's advantages (k: --pass_at_k; a total reward >= 1 is a success); process: one advantage per token from rewards scored per step (reward.py's spans; DeepSeekMath's process supervision)")
     g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all (TRL's meanings)")
+    g.add_argument("--pass_at_k", type=int, default=4, help="--advantage_estimator pass_at_k: the k of pass@k (Chen et al. 2025, arXiv 2508.10751), at most --num_generations")
     g.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
     g.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
     g.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
@@ -207,8 +211,10 @@ def inert_flags(args):
     if clip and args.num_iterations == 1:
         notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
                      "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
-    if "scale_rewards" in given and args.advantage_estimator != "grpo":
-        notes.append(f"--scale_rewards acts only with --advantage_estimator grpo (this run: {args.advantage_estimator})")
+    options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
+    for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
+        readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
+        notes.append(f"--{option} acts only with --advantage_estimator {readers} (this run: {args.advantage_estimator})")
     return notes
 
 
@@ -246,6 +252,17 @@ def check_args(args, world, local=None):
             sys.exit(f"error: {msg}")
     need(args.num_generations >= 2, "--num_generations must be >= 2 (advantages are relative within a group)")
     need(not args.kl_in_reward or args.beta > 0, "--kl_in_reward with --beta 0: the penalty is beta x the KL; set --beta > 0")
+    need(0 <= args.ref_ema < 1 and (not args.ref_ema or (args.beta > 0 and not args.use_peft)),
+         f"--ref_ema {args.ref_ema}: a decay in [0, 1), with --beta > 0 (a reference model to move) and without "
+         f"--use_peft (LoRA's reference is the policy with its adapter off)")
+    need(args.temperature > 0 and (args.temperature_end is None or args.temperature_end > 0),
+         f"--temperature {args.temperature} / --temperature_end {args.temperature_end}: the log-probs divide by it, "
+         f"so > 0")
+    need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
+    need(args.advantage_estimator != "pass_at_k" or 1 <= args.pass_at_k <= args.num_generations,
+         f"--pass_at_k {args.pass_at_k}: k of pass@k lies in 1..--num_generations ({args.num_generations})")
+    need(args.advantage_estimator != "process" or not args.tools, "--advantage_estimator process with --tools: not "
+         "built (a trajectory's rewards read its last turn, whose spans are not mapped onto the turns' tokens)")
     need(not args.tools or args.max_turns >= 2, f"--tools with --max_turns {args.max_turns}: a call needs a turn after it")
     need(args.top_k >= 0 and 0 < args.top_p <= 1, f"--top_k {args.top_k} must be >= 0 (0: off), --top_p {args.top_p} in (0, 1]")
     need(args.rollout_batch_size % world == 0,

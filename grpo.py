@@ -2,12 +2,13 @@
 
 Pure functions, tensors in and tensors (or `(loss, metrics)`) out, so they are unit-tested by
 hand-computed cases (tests/test_grpo.py) and read in one go. train.py owns everything else.
-Advantage estimators: GRPO (its std scalings), RLOO, REINFORCE++-baseline. Loss variants: GRPO, DAPO
-token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM importance-sampling correction, an entropy
-bonus. Left out on purpose: sequence packing. Names follow TRL / DAPO: advantages, logps, old_logps,
-ref_logps, sampler_logps, entropy.
+Advantage estimators: GRPO (its std scalings), RLOO, REINFORCE++-baseline, pass@k, process supervision
+(one advantage per token). Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM
+importance-sampling correction, an entropy bonus. Left out on purpose: sequence packing. Names follow TRL / DAPO:
+advantages, logps, old_logps, ref_logps, sampler_logps, entropy.
 """
 import dataclasses
+import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -41,7 +42,10 @@ class TokenStats:
 
 
 # ----------------------------------------------------------------------------- advantages
-ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# The estimators (--advantage_estimator) and the flags each one reads: train.advantages hands an estimator exactly
+# these, by name (a new estimator is a branch of group_advantages and a line here; its option, a flag).
+ESTIMATORS = {"grpo": ("scale_rewards",), "rloo": (), "reinforce_plus_plus_baseline": (), "pass_at_k": ("pass_at_k",),
+              "process": ()}
 
 
 def needs_everyone(estimator, scale_rewards):
@@ -58,17 +62,42 @@ def _group_stats(r):
     return mean, var.sqrt(), n
 
 
-def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="group", everyone=None):
+def pass_at_k_advantages(r, k):
+    """Pass@k training's analytical advantages (Chen et al. 2025, arXiv 2508.10751, eqs. 14-15; the authors'
+    RUCAIBox/Passk_Training code/passk_adv.py): a group's reward is pass@k, the chance that k of its G answers
+    drawn without replacement hold a success (a total >= 1: a binary reward's 1), R = 1 - C(N_neg, k) / C(G, k) over
+    its N scored answers; a success gets (1 - R) / std, a failure (1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) /
+    std, std = sqrt(R (1 - R)). r (P, G), NaN where unscored -> (P, G)."""
+    out = torch.zeros_like(r)
+    for i, row in enumerate(r):
+        scored = ~row.isnan()
+        n, ok = int(scored.sum()), row.nan_to_num(0.0) >= 1.0
+        neg = n - int((ok & scored).sum())
+        if n < 2 or k > n:
+            continue
+        mean = 1.0 - math.comb(neg, k) / math.comb(n, k)
+        std = math.sqrt(mean * (1.0 - mean))
+        if std == 0.0:
+            continue
+        fail = (1.0 - mean - math.comb(neg - 1, k - 1) / math.comb(n - 1, k - 1)) / std if neg else 0.0
+        out[i] = torch.where(ok, (1.0 - mean) / std, fail).masked_fill(~scored, 0.0)
+    return out
+
+
+def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="group", everyone=None, pass_at_k=None):
     """rewards (N,) with N = prompts * num_generations, grouped consecutively -> (advantages (N,), the
     fraction of groups with zero spread). A reward of NaN is a completion no reward function could score:
     it is left out of its group's statistics and gets advantage 0 (train.py also keeps it out of the loss).
+    Each estimator's own options arrive by name (ESTIMATORS: the flags it reads).
 
     estimator "grpo": the reward minus its group's mean, divided by scale_rewards' std: "group" (GRPO),
       "batch" (the std of every rank's rewards, `everyone`; default: of `rewards`), "none" (Dr. GRPO);
     "rloo": the reward minus the mean of the group's other rewards (Ahmadian et al. 2024, arXiv 2402.14740);
     "reinforce_plus_plus_baseline": the reward minus its group's mean, divided by the std of those centred
-      rewards over the whole batch, every rank's (REINFORCE++, Hu et al. 2025, arXiv 2501.03262; `everyone`).
-    A group whose scored rewards are all equal gets zeros: it carries no signal."""
+      rewards over the whole batch, every rank's (REINFORCE++, Hu et al. 2025, arXiv 2501.03262; `everyone`);
+    "pass_at_k": pass@k training's advantages for k = pass_at_k (pass_at_k_advantages).
+    A group whose scored rewards are all equal gets zeros: it carries no signal. ("process" gives one advantage per
+    token: process_advantages.)"""
     r = rewards.view(-1, num_generations)                          # (P, G)
     mean, std, n = _group_stats(r)
     centred = r - mean                                             # (P, G), NaN where unscored
@@ -86,12 +115,38 @@ def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="
         pool = (rewards if everyone is None else everyone).view(-1, num_generations)
         pool = pool - _group_stats(pool)[0]                        # every rank's centred rewards
         centred = centred / (pool[~pool.isnan()].std() + 1e-4)
+    elif estimator == "pass_at_k":
+        if not pass_at_k or pass_at_k < 1:
+            raise ValueError(f"the pass_at_k estimator needs k >= 1 (--pass_at_k), got {pass_at_k!r}")
+        centred = pass_at_k_advantages(r, pass_at_k)
     else:
-        raise ValueError(f"--advantage_estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        raise ValueError(f"--advantage_estimator must be one of {tuple(ESTIMATORS)}, got {estimator!r}")
     lo, hi = r.nan_to_num(float("inf")).amin(1), r.nan_to_num(float("-inf")).amax(1)
     zero_spread = ~(hi > lo)                                       # (P,): also a group with < 2 scored completions
     adv = centred.masked_fill(zero_spread.unsqueeze(1), 0.0).nan_to_num(0.0)
     return adv.reshape(-1), zero_spread.float().mean().item()
+
+
+def process_advantages(events, lengths, num_generations):
+    """Process supervision's advantages per token (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300, sec. 4.1.3):
+    every reward of a completion is an event (token index, score): a step's score at the step's last token, an
+    outcome score at the last token. The events of a group are normalised by their mean and std over the group, and a
+    token's advantage is the sum of the normalised events at or after it. events: per completion a list of (index,
+    score), None for an unscored completion (no events, advantage 0); lengths: its tokens. -> ([(n,) tensor per
+    completion], the fraction of groups whose events are all equal)."""
+    out, flat = [], 0
+    for g in range(0, len(events), num_generations):
+        group = events[g:g + num_generations]
+        scores = torch.tensor([s for ev in group if ev for _, s in ev], dtype=torch.float64)
+        spread = scores.numel() > 1 and bool(scores.max() > scores.min())
+        flat += not spread
+        mean, std = (scores.mean(), scores.std()) if spread else (0.0, 1.0)
+        for ev, n in zip(group, lengths[g:g + num_generations]):
+            step = torch.zeros(n, dtype=torch.float64)
+            for i, s in (ev or []) if spread else []:
+                step[min(i, n - 1)] += (s - mean) / (std + 1e-4)
+            out.append(step.flip(0).cumsum(0).flip(0).float())   # (n,) the events at or after each token
+    return out, flat / max(1, len(events) // num_generations)
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -191,7 +246,8 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
               entropy_coef=0.0):
     """Clipped-ratio policy loss with optional k3 KL and entropy bonus. Returns (loss, metrics).
 
-    logps, old_logps, ref_logps, mask: (B, C); advantages: (B,); is_weights: (B, C) or (B, 1)
+    logps, old_logps, ref_logps, mask: (B, C); advantages: (B,), or (B, C) one per token (process supervision);
+    is_weights: (B, C) or (B, 1)
     from sampler_correction, multiplying the clipped term (not the KL), as in TRL. entropy (B, C):
     logged; with entropy_coef > 0 also subtracted per token (a bonus for exploring), aggregated
     like the other terms.
@@ -213,7 +269,7 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
     elif importance_sampling_level != "token":
         raise ValueError(f"--importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)                                   # (B, C) or (B, 1)
-    adv = advantages.unsqueeze(1)                                  # (B, 1)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages   # (B, 1) or (B, C)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)                     # (B, C) or (B, 1)

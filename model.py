@@ -593,7 +593,8 @@ def outside_zero3():
 def update_params(targets, sources, fn):
     """Change parameters in place, whatever their ZeRO-3 state: fn(target, *sources) edits each target tensor in
     place, given the same part of each of its sources (an EMA: fn = lambda r, p: r.lerp_(p, 1 - decay); a reset:
-    lambda r, p: r.copy_(p)). targets: [param]; sources: [[param, ...]] beside them (the same shapes). A collective
+    lambda r, p: r.copy_(p)). targets: [param]; sources: [[param or tensor, ...]] beside them: a parameter of the same
+    shape, or a tensor that is this rank's part already (an fp32 master of the target's partition). A collective
     under ZeRO-3: every rank calls it with the same parameters.
 
     Under ZeRO-3 a parameter's truth is its partition, param.ds_tensor (this rank's shard; in host RAM under
@@ -604,18 +605,21 @@ def update_params(targets, sources, fn):
     the whole copy its forwards read unchanged (the EMA reference's KL was off by 4e-3 so). A plain module (no
     ZeRO-3): fn edits param.data. -> how many parameters were edited."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def part(s):   # a ZeRO-3 parameter's partition, or a plain parameter or tensor (an fp32 master) as it is
+        return s.ds_tensor.data if hasattr(s, "ds_tensor") else s.data
     whole = []
     with torch.no_grad():
         for t, srcs in zip(targets, sources):
             if not hasattr(t, "ds_tensor"):   # a plain parameter
                 fn(t.data, *(s.data for s in srcs))
                 continue
-            if any(s.ds_tensor.numel() != t.ds_tensor.numel() for s in srcs):
-                raise ValueError(f"model.update_params: parameter {t.ds_id} and its source are partitioned apart "
-                                 f"({t.ds_tensor.numel()} vs {[s.ds_tensor.numel() for s in srcs]} elements a rank)")
+            if any(part(s).numel() != t.ds_tensor.numel() for s in srcs):
+                raise ValueError(f"model.update_params: parameter {t.ds_id} and its sources are partitioned apart "
+                                 f"({t.ds_tensor.numel()} vs {[part(s).numel() for s in srcs]} elements a rank)")
             if getattr(t.ds_tensor, "final_location", None) is not None:
                 raise NotImplementedError("model.update_params: a partition swapped to NVMe (offload_param nvme)")
-            fn(t.ds_tensor.data, *(s.ds_tensor.data.to(t.ds_tensor.device) for s in srcs))
+            fn(t.ds_tensor.data, *(part(s).to(t.ds_tensor.device) for s in srcs))
             if t.ds_status == ZeroParamStatus.AVAILABLE:
                 whole.append(t)
     if whole:   # the whole copies from the edited shards; persistent ones stay whole, as DeepSpeed keeps them

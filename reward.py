@@ -1,8 +1,11 @@
 """Reward functions: plain functions, combined by a weighted sum.
 
 A reward function takes the completions (list of str) and the dataset columns of each sample
-as keyword lists (`solution`, plus any extra JSONL field), and returns one float per completion
-(None counts as a failure). Adding one = writing a function and adding it to REWARDS.
+as keyword lists (`solution`, plus any extra JSONL field), and returns one value per completion: a float (None
+counts as a failure), or a list of (start, end, score) spans of the completion's characters, a score per step
+(process rewards: train.score maps each span to the token that ends it; --advantage_estimator process gives each
+token the normalised scores at or after it; any other estimator takes the spans' sum). Adding one = writing a
+function and adding it to REWARDS.
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
 
@@ -12,8 +15,10 @@ as keyword lists (`solution`, plus any extra JSONL field), and returns one float
                     `image_size`, `seen_size` rescale the solution to the image the model saw)
     length_penalty  -1..0: DAPO's soft overlong punishment (columns `completion_length`,
                     `max_completion_length`, optional `overlong_buffer`)
+    equation_steps  spans: each arithmetic step "a op b = c" of the completion, +1 right, -1 wrong (a process
+                    reward, the example of a reward per step)
 
-A function that raises or returns None/NaN is flagged per completion (summed into
+A function that raises or returns None/NaN (or a malformed span) is flagged per completion (summed into
 `reward/<name>_failures`); train.py leaves that completion out of its group's statistics and out of
 the loss (its total here is a placeholder 0), and the run goes on. Left out on purpose:
 registries, reward models, partial credit in accuracy (a near miss scores 0), and a wall-clock
@@ -167,11 +172,43 @@ def length_penalty(completions, completion_length, max_completion_length, overlo
     return out
 
 
-REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty}
+# A process reward (a score per step, as spans of the completion's characters): each arithmetic step "12 * 7 = 84"
+# (+, -, *, x, the multiplication sign, /) is checked; +1 for a right one, -1 for a wrong one. The example of a reward
+# per token span: a verifier of proof steps or a process reward model's scores per line go the same way.
+STEP = re.compile(r"(-?\d+(?:\.\d+)?)\s*([-+*/x\u00d7])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)")
 
 
-def compute_rewards(names, weights, completions, columns):
-    """-> (total (N,), per-function scores {name: [N floats]}, failed {name: [N bools]}).
+def equation_steps(completions, **kwargs):
+    """Per completion, [(start, end, +1 or -1)] for each arithmetic step "a op b = c" in it (character offsets of
+    the step in the completion)."""
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "x": lambda a, b: a * b,
+           "\u00d7": lambda a, b: a * b, "/": lambda a, b: a / b if b else math.nan}
+    return [[(m.start(), m.end(), 1.0 if abs(ops[m[2]](float(m[1]), float(m[3])) - float(m[4])) < 1e-9 else -1.0)
+             for m in STEP.finditer(c)] for c in completions]
+
+
+REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty,
+           "equation_steps": equation_steps}
+
+
+def spans_of(value, text):
+    """A reward's spans for one completion, checked: [(start, end, score)] with 0 <= start < end <= len(text) and a
+    finite score; None when it is not such a list (the completion's value then fails)."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    out = []
+    for s in value:
+        if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, int) for x in s[:2])
+                and isinstance(s[2], (int, float)) and math.isfinite(s[2]) and 0 <= s[0] < s[1] <= len(text)):
+            return None
+        out.append((s[0], s[1], float(s[2])))
+    return out
+
+
+def compute_rewards(names, weights, completions, columns, spans=None):
+    """-> (total (N,), per-function scores {name: [N floats]}, failed {name: [N bools]}). A function that returns
+    spans scores a completion their sum; `spans` (a dict, when given) gets {name: [N lists of (start, end, score), or
+    None for a plain score]} of the functions that returned any.
 
     columns: {field: list of N values}, the sample fields repeated per completion."""
     weights = weights or [1.0] * len(names)
@@ -183,11 +220,16 @@ def compute_rewards(names, weights, completions, columns):
             values = list(REWARDS[name](completions, **columns)) if completions else []
             if len(values) != len(completions):
                 raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, score 0
-            print(f"[reward] {name} raised {type(e).__name__}: {e}; scored 0 for this batch")
+        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave them unscored
+            print(f"[reward] {name} raised {type(e).__name__}: {e}; this batch's completions are unscored by it")
             values = [None] * len(completions)
+        steps = [spans_of(v, c) if isinstance(v, (list, tuple)) else None for v, c in zip(values, completions)]
+        values = [sum(s for _, _, s in st) if st is not None else None if isinstance(v, (list, tuple)) else v
+                  for v, st in zip(values, steps)]
         clean = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
         failed[name] = [v is None for v in clean]
         scores[name] = [0.0 if v is None else float(v) for v in clean]
         total = [t + w * v for t, v in zip(total, scores[name])]
+        if spans is not None and any(st is not None for st in steps):
+            spans[name] = steps
     return total, scores, failed

@@ -65,6 +65,7 @@ class Run:
     updates: int = 0                 # update phases run by this process
     synced_at: int = None            # `updates` when vLLM last got the weights (None: never)
     hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
+    ref_masters: list = None         # --ref_ema, a bf16 reference: fp32 copies of its partitions (reference_step)
     wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
 
     @property
@@ -74,6 +75,12 @@ class Run:
     @property
     def per_rank(self):
         return self.args.rollout_batch_size // self.world
+
+    @property
+    def moving_reference(self):
+        """(reference engine, fp32 masters or None) when the reference moves (--ref_ema): a state of its own, saved and
+        resumed with the checkpoints (checkpoint.reference_parts); else None."""
+        return (self.ref_engine, self.ref_masters) if self.args.ref_ema else None
 
 
 def sampling_of(args, banned):
@@ -103,9 +110,10 @@ def setup(args):
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
               sampling=sampling_of(args, banned), pad_id=processor.tokenizer.pad_token_id or 0,
               tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload_types(args, rank),
-              hf_ds_config=dschf, aux_loss_coef=aux_loss_coef)
-    # resume: weights, optimizer, scheduler, step, data position, RNG; then metrics.jsonl and wandb, continued
-    ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from)
+              hf_ds_config=dschf, aux_loss_coef=aux_loss_coef, ref_masters=fp32_masters(ref_engine, args))
+    # resume: weights, optimizer, scheduler, step, data position, RNG (and a moving reference's own state); then
+    # metrics.jsonl and wandb, continued
+    ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from, run.moving_reference)
     logs.open_logs(run, resumed=bool(ckpt))
     if run.master:
         print(f"[setup] {world} ranks, {run.per_rank} prompts x {args.num_generations} generations per rank, "
@@ -237,6 +245,14 @@ def load_models(args, cfg, dtype):
     ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
         if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
     return engine, ref_engine, dschf
+
+
+def fp32_masters(ref_engine, args):
+    """--ref_ema beside a reference in bf16: fp32 copies of its partitions, where the EMA runs (a step of (1 - decay)
+    x a small difference is below bf16's resolution and would round away), on the partitions' own devices."""
+    if not args.ref_ema or ref_engine is None or next(ref_engine.module.parameters()).dtype == torch.float32:
+        return None
+    return [p.ds_tensor.detach().float().clone() for p in ref_engine.module.parameters()]
 
 
 def load_data(args, processor, rank, world):

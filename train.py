@@ -72,12 +72,14 @@ class Completion:
     routed_experts: object = None    # --routing_replay: (P + n - 1, layers, k) vLLM's experts for its prompt and tokens
     rewards: dict = dataclasses.field(default_factory=dict)   # {reward function: score}
     failed: dict = dataclasses.field(default_factory=dict)    # {reward function: True if it raised or gave None/NaN}
+    spans: dict = dataclasses.field(default_factory=dict)     # {reward function: [(start, end, score)]}: scored by step
+    events: list = None              # --advantage_estimator process: [(token index, weighted score)], each reward's
     total: float = None              # weighted sum of the rewards (score)
     old_logps: torch.Tensor = None   # (n,) the trainer's log-probs at the sampler's weights, pi_old (0 outside the loss)
     ref_logps: torch.Tensor = None   # (n,) the reference model's (beta > 0)
     is_weights: torch.Tensor = None  # (n,) the sampler correction's weight per token (per sequence: repeated)
     kl_penalty: float = None         # --kl_in_reward: beta x the summed per-token KL to the reference, off the total
-    advantage: float = None
+    advantage: object = None         # a float, or (n,) one per token (--advantage_estimator process)
 
     @property
     def scored(self):
@@ -101,11 +103,12 @@ class Group:
         return [c.total for c in self.completions]
 
 
-def completion_logps(engine, batch, run, with_entropy=False, with_kept=False):
-    """Per-token statistics of one micro-batch's completions (policy or reference engine) under run.sampling,
-    from one pass over the vocabulary -> grpo.TokenStats, each (B, C): logps; with `with_kept` (and top-k or
-    top-p) the log of the mass the sampler's truncation keeps; with `with_entropy` the entropy."""
-    return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, sampling=run.sampling,
+def completion_logps(engine, batch, run, with_entropy=False, with_kept=False, sampling=None):
+    """Per-token statistics of one micro-batch's completions (policy or reference engine) under `sampling` (by
+    default run.sampling, the distribution vLLM samples from), from one pass over the vocabulary -> grpo.TokenStats,
+    each (B, C): logps; with `with_kept` (and top-k or top-p) the log of the mass the sampler's truncation keeps;
+    with `with_entropy` the entropy."""
+    return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, sampling=sampling or run.sampling,
                   chunks=batch["chunks"], vision_calls=batch.get("vision_calls", 1), with_entropy=with_entropy,
                   with_kept=with_kept)
 
@@ -256,15 +259,48 @@ def reward_inputs(run, samples, comps):
 def score(run, groups):
     """Rewards per completion, per function, with failure flags, onto each completion's record; every rank's
     groups' rewards into run.stream.history (a collective: all ranks score together)."""
-    args = run.args
+    args, spans = run.args, {}
     pairs = [(g.sample, c) for g in groups for c in g.completions]
     total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, [c.text for _, c in pairs],
-                                                   reward_inputs(run, [s for s, _ in pairs], [c for _, c in pairs]))
+                                                   reward_inputs(run, [s for s, _ in pairs], [c for _, c in pairs]),
+                                                   spans)
     for i, (_, c) in enumerate(pairs):
         c.total, c.rewards, c.failed = total[i], {n: v[i] for n, v in scores.items()}, {n: v[i] for n, v in failed.items()}
+        c.spans = {n: v[i] for n, v in spans.items() if v[i] is not None}
+        if args.advantage_estimator == "process" and c.scored:
+            c.events = reward_events(run, c)
     everyone = [None] * run.world
     dist.all_gather_object(everyone, [(g.sample.get("id"), g.totals) for g in groups])
     run.stream.history.update((i, r) for part in everyone for i, r in part if i is not None)
+
+
+def reward_events(run, c):
+    """A completion's rewards as events (token index, weighted score) for process supervision: a reward that scored
+    steps (spans of the text) gives one event per step, at the token that writes the step's last character
+    (token_of); any other reward one event at the last token."""
+    args, last = run.args, len(c.token_ids) - 1
+    out = []
+    for name, w in zip(args.reward_funcs, args.reward_weights or [1.0] * len(args.reward_funcs)):
+        if name in c.spans:
+            out += [(token_of(run.processor.tokenizer, c.token_ids, end), w * s) for _, end, s in c.spans[name]]
+        else:
+            out.append((last, w * c.rewards[name]))
+    return out
+
+
+def token_of(tokenizer, ids, end):
+    """The index of the token that writes character `end` - 1 of the completion's text, decoded as the rewards read it
+    (special tokens skipped): the first token whose decoded prefix reaches `end` characters, by bisection. A character
+    of several bytes split over tokens belongs to the token that writes its last byte (a prefix ending inside it
+    decodes to U+FFFD, not counted)."""
+    lo, hi = 0, max(len(ids) - 1, 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid + 1], skip_special_tokens=True).rstrip("\ufffd")) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def filter_groups(run, groups, step, m):
@@ -281,7 +317,7 @@ def filter_groups(run, groups, step, m):
     if not run.args.dynamic_sampling:
         return groups
     t0 = time.perf_counter()
-    spread = lambda g: max(g.totals) > min(g.totals)   # noqa: E731
+    spread = lambda g: len({c.total for c in g.completions if c.scored}) > 1   # noqa: E731  (an unscored one holds 0)
     keep, dropped, rounds = [g for g in groups if spread(g)], [g for g in groups if not spread(g)], 1
     while rounds < run.args.max_num_gen_batches:
         have = torch.tensor(len(keep), device=run.device)
@@ -360,11 +396,20 @@ def micro_batches(run, groups):
                                   **extras([c for _, c in part]))
         inputs["completion_mask"] *= torch.tensor([[float(c.scored)] for _, c in part])   # (B, C): unscored, out of the loss
         batches.append(dict(inputs=inputs, completions=[c for _, c in part]))
-    ranks.check_same("micro-batches per step", [len(batches)], run.device)
-    # and as many vision-tower runs as the busiest rank's (model.logps_forward: one for images, one for videos)
-    chunks = torch.tensor([[-(-b["inputs"]["completion_mask"].numel() // args.logprob_chunk_tokens),
+    return in_step(run, batches, "micro-batches per step")
+
+
+def in_step(run, batches, what):
+    """Every rank makes the same forwards, whatever its micro-batches hold: under ZeRO-3 each forward and each
+    lm_head call gathers parameters. The count of micro-batches (`what`) is checked here, before it could hang
+    (ranks.check_same), and each micro-batch takes the most log-prob chunks any rank needs at its position
+    (grpo.token_logps splits fewer tokens as many times) and the most vision-tower runs (one for images, one for
+    videos; model.logps_forward makes up the rest with dummy runs). Any micro-batches a step runs through the policy
+    come through here: the RL ones (micro_batches), another forward's (gold_batches). -> batches."""
+    ranks.check_same(what, [len(batches)], run.device)
+    chunks = torch.tensor([[-(-b["inputs"]["completion_mask"].numel() // run.args.logprob_chunk_tokens),
                             max(1, ("pixel_values" in b["inputs"]) + ("pixel_values_videos" in b["inputs"]))]
-                           for b in batches], device=run.device)
+                           for b in batches], device=run.device).reshape(-1, 2)
     dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
     for b, (n, calls) in zip(batches, chunks.tolist()):
         b["chunks"], b["vision_calls"] = n, calls
@@ -389,25 +434,34 @@ def old_ref_logps(run, batches):
 
 
 def advantages(run, groups, m):
-    """Each completion's advantage, by --advantage_estimator over its group (grpo.group_advantages); every
-    rank's rewards are gathered here, once, for an estimator that needs a std over the whole batch (all
-    ranks hold as many). A completion no reward could score counts in no statistic (advantage 0).
-    --kl_in_reward (REINFORCE++, and PPO's RLHF set-up): beta x the completion's summed per-token KL to the
-    reference (k1: log pi_old - log pi_ref) comes off its total first, and the loss then has no KL term."""
+    """Each completion's advantage, by --advantage_estimator over its group (grpo.group_advantages, which gets the
+    estimator's own options by name: grpo.ESTIMATORS); every rank's rewards are gathered here, once, for an estimator
+    that needs a std over the whole batch (all ranks hold as many). A completion no reward could score counts in no
+    statistic (advantage 0). --advantage_estimator process: one advantage per token, from each completion's reward
+    events (grpo.process_advantages). --kl_in_reward (REINFORCE++, and PPO's RLHF set-up): beta x the completion's
+    summed per-token KL to the reference (k1: log pi_old - log pi_ref) comes off its total first (an event at its last
+    token), and the loss then has no KL term."""
     args, comps = run.args, [c for g in groups for c in g.completions]
     if args.kl_in_reward:
         for c in comps:
             c.kl_penalty = args.beta * (c.old_logps - c.ref_logps).sum().item()
         m["reward/kl_penalty"] = ranks.Mean(np.mean([c.kl_penalty for c in comps]), len(comps))
-    rewards = torch.tensor([c.total - (c.kl_penalty or 0.0) if c.scored else float("nan") for c in comps])   # (N,)
-    everyone = None
-    if grpo.needs_everyone(args.advantage_estimator, args.scale_rewards):
-        everyone = [torch.zeros_like(rewards, device=run.device) for _ in range(run.world)]
-        dist.all_gather(everyone, rewards.to(run.device))
-        everyone = torch.cat(everyone).cpu()                                                 # (world x N,)
-    adv, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.advantage_estimator, args.scale_rewards,
-                                             everyone)
-    for c, a in zip(comps, adv.tolist()):
+    if args.advantage_estimator == "process":
+        events = [c.events + ([(len(c.token_ids) - 1, -c.kl_penalty)] if c.kl_penalty else []) if c.scored else None
+                  for c in comps]
+        adv, zero_spread = grpo.process_advantages(events, [len(c.token_ids) for c in comps], args.num_generations)
+    else:
+        rewards = torch.tensor([c.total - (c.kl_penalty or 0.0) if c.scored else float("nan") for c in comps])   # (N,)
+        everyone = None
+        if grpo.needs_everyone(args.advantage_estimator, args.scale_rewards):
+            everyone = [torch.zeros_like(rewards, device=run.device) for _ in range(run.world)]
+            dist.all_gather(everyone, rewards.to(run.device))
+            everyone = torch.cat(everyone).cpu()                                             # (world x N,)
+        options = {name: getattr(args, name) for name in grpo.ESTIMATORS[args.advantage_estimator]}
+        adv, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.advantage_estimator,
+                                                 everyone=everyone, **options)
+        adv = adv.tolist()
+    for c, a in zip(comps, adv):
         c.advantage = a
     m["reward/zero_spread_groups"] = ranks.Mean(zero_spread, len(groups))
 
@@ -455,12 +509,15 @@ def expert_shares(loads):
             "train/expert_share_min": ranks.Min(share.min().item())}
 
 
-def update(run, batches, m):
+def update(run, batches, m, extra=()):
     """num_iterations optimizer steps over the rollout batch, micro-batch by micro-batch, reading each
-    completion's values from its record. -> stats, each a weighted mean over the whole rollout batch and all
-    ranks (ranks.Mean: the same number at any micro-batch size or rank count), except loss (the objective
-    DeepSpeed differentiates) and lr. Every per-token mean grpo_loss reports is logged as train/<name>,
-    token-weighted (a new one is one line in grpo_loss's metrics)."""
+    completion's values from its record. `extra`: [(micro-batch, loss function)] from other forwards (sft_losses:
+    --sft_coef's gold answers), run after the RL micro-batches in the same optimizer step, every iteration; each
+    loss_fn(run, batch, add) returns its loss normalised as the RL loss is (over every rank's tokens, / (world x gas)),
+    and logs with add. -> stats, each a weighted mean over the whole rollout batch and all ranks (ranks.Mean: the
+    same number at any micro-batch size or rank count), except loss (the objective DeepSpeed differentiates) and
+    lr. Every per-token mean grpo_loss reports is logged as train/<name>, token-weighted (a new one is one line in
+    grpo_loss's metrics)."""
     args, engine = run.args, run.engine
     counts = torch.tensor([sum(b["inputs"]["completion_mask"].sum().item() for b in batches),
                            sum(c.scored for b in batches for c in b["completions"])], dtype=torch.float64, device=run.device)
@@ -470,7 +527,6 @@ def update(run, batches, m):
     # so the sum over micro-batches is the whole batch's objective.
     norm = {"token": n_tokens, "sequence": n_seqs, "dr_grpo": n_seqs * args.max_completion_length}[args.loss_agg]
     norm = norm / (run.world * run.gas)   # gas: DeepSpeed's constant divisor, however many micro-batches there are
-    beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
     engine.train()
     loss_sum, lrs = 0.0, []
     sums, weights = {}, {}   # {logged name: sum of value x weight}, {logged name: sum of weights}
@@ -479,40 +535,107 @@ def update(run, batches, m):
     def add(name, value, weight):
         sums[name], weights[name] = sums.get(name, 0.0) + value * weight, weights.get(name, 0.0) + weight
     for it in range(args.num_iterations):
-        for j, b in enumerate(batches):
-            comps = b["completions"]
-            b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
-            ts = completion_logps(engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
-            cmask = b["inputs"]["completion_mask"].to(run.device)                       # (B, C)
-            if it == 0:   # the sampler's weights (no optimizer step yet)
-                attn = b["inputs"]["attention_mask"]
-                add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed
-                if comps[0].old_logps is None:   # one iteration: this forward is pi_old
-                    from_rows(b, "old_logps", ts.logps)
-                sampler_gap(run, b, ts, cmask, m, add)
-            rows = lambda name: to_rows([getattr(c, name) for c in comps], run.device)   # noqa: E731  (B, C)
-            loss, lm = grpo.grpo_loss(
-                logps=ts.logps, old_logps=rows("old_logps"), advantages=torch.tensor([c.advantage for c in comps], device=run.device),
-                mask=cmask, epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=beta,
-                ref_logps=rows("ref_logps") if beta > 0 else None, loss_agg=args.loss_agg, norm=norm,
-                importance_sampling_level=args.importance_sampling_level,
-                is_weights=rows("is_weights") if comps[0].is_weights is not None else None,
-                entropy=ts.entropy, entropy_coef=args.entropy_coef)
-            loss = loss + router_loss(run, ts, len(batches), add, loads)   # mixture-of-experts; 0 for a dense model
-            engine.set_gradient_accumulation_boundary(j == len(batches) - 1)   # the step's micro-batch count, not gas
+        work = [(b, None) for b in batches] + list(extra)
+        for j, (b, loss_fn) in enumerate(work):
+            loss = loss_fn(run, b, add) if loss_fn else policy_loss(run, b, it, norm, m, add, loads, len(batches))
+            engine.set_gradient_accumulation_boundary(j == len(work) - 1)   # the step's micro-batch count, not gas
             engine.backward(loss)
-            if j == len(batches) - 1:
+            if j == len(work) - 1:
                 lrs.append(engine.get_lr()[0])   # the rate of the optimizer step the next call takes
             engine.step()   # DeepSpeed steps the optimizer only at the gradient accumulation boundary
             loss_sum += loss.item() / (run.gas * args.num_iterations)   # micro-batch losses / gas, summed
-            for k, v in lm.items():
-                if k != "tokens":
-                    add(f"train/{k}", v, lm["tokens"])
     grad_norm = engine.get_global_grad_norm()
     stats = {k: ranks.Mean(sums[k] / weights[k] if weights[k] else 0.0, weights[k]) for k in sorted(sums)}
     stats.update({"train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                   "train/lr": lrs[-1], **expert_shares(loads)})
     return stats
+
+
+def policy_loss(run, b, it, norm, m, add, loads, n_batches):
+    """The RL loss of one micro-batch (grpo.grpo_loss) in iteration `it`, from the policy's forward and each
+    completion's record; the first iteration runs at the sampler's weights and records pi_old (one iteration) and the
+    sampler gap. A completion's advantage is a number, or one per token (process supervision)."""
+    args, comps = run.args, b["completions"]
+    beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
+    b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
+    ts = completion_logps(run.engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
+    cmask = b["inputs"]["completion_mask"].to(run.device)                             # (B, C)
+    if it == 0:   # the sampler's weights (no optimizer step yet)
+        attn = b["inputs"]["attention_mask"]
+        add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed
+        if comps[0].old_logps is None:   # one iteration: this forward is pi_old
+            from_rows(b, "old_logps", ts.logps)
+        sampler_gap(run, b, ts, cmask, m, add)
+    rows = lambda name: to_rows([getattr(c, name) for c in comps], run.device)   # noqa: E731  (B, C)
+    per_token = torch.is_tensor(comps[0].advantage)
+    loss, lm = grpo.grpo_loss(
+        logps=ts.logps, old_logps=rows("old_logps"),
+        advantages=rows("advantage") if per_token else torch.tensor([c.advantage for c in comps], device=run.device),
+        mask=cmask, epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=beta,
+        ref_logps=rows("ref_logps") if beta > 0 else None, loss_agg=args.loss_agg, norm=norm,
+        importance_sampling_level=args.importance_sampling_level,
+        is_weights=rows("is_weights") if comps[0].is_weights is not None else None,
+        entropy=ts.entropy, entropy_coef=args.entropy_coef)
+    for k, v in lm.items():
+        if k != "tokens":
+            add(f"train/{k}", v, lm["tokens"])
+    return loss + router_loss(run, ts, n_batches, add, loads)   # mixture-of-experts; 0 for a dense model
+
+
+def gold_batches(run, groups):
+    """--sft_coef: each group's gold answer, its sample's "solution" as the model would write it (the text, then the
+    end of its turn), as a completion of the group's prompt, in micro-batches of --per_device_train_batch_size (a
+    group without one: an empty completion, out of the loss). Every rank holds as many groups, so as many
+    micro-batches (in_step checks it and evens out their chunks and vision-tower runs)."""
+    tok, size = run.processor.tokenizer, run.args.per_device_train_batch_size
+    end = tok.convert_tokens_to_ids("<|im_end|>")   # the end of a turn in every Qwen chat template
+    gold = [tok(str(s), add_special_tokens=False)["input_ids"] + [end] if (s := g.sample["columns"].get("solution"))
+            is not None else [] for g in groups]
+    batches = [dict(inputs=data.collate([g.sample for g in groups[i:i + size]], gold[i:i + size], run.pad_id,
+                                        run.sampling.banned), completions=[]) for i in range(0, len(groups), size)]
+    return in_step(run, batches, "--sft_coef's micro-batches per step")
+
+
+def sft_losses(run, groups):
+    """--sft_coef (a supervised loss on the data's gold answers beside the RL loss, from a second forward): the
+    extra losses update() runs, [(gold micro-batch, loss function)]; the loss is sft_coef x the mean negative
+    log-likelihood over every rank's gold tokens, of the model's own distribution (temperature 1, untruncated: the
+    forward's sampling is a parameter), logged as train/sft_nll."""
+    if not run.args.sft_coef:
+        return []
+    batches = gold_batches(run, groups)
+    tokens = torch.tensor(float(sum(b["inputs"]["completion_mask"].sum().item() for b in batches)), device=run.device)
+    dist.all_reduce(tokens)
+    norm = max(tokens.item(), 1.0) / (run.world * run.gas)   # as update's: DeepSpeed divides by gas, averages ranks
+
+    def loss_fn(run, b, add):
+        ts = completion_logps(run.engine, b, run, sampling=grpo.Sampling(banned=run.sampling.banned))   # (B, C)
+        mask = b["inputs"]["completion_mask"].to(run.device)
+        nll = -(ts.logps * mask).sum()
+        add("train/sft_nll", nll.item() / max(mask.sum().item(), 1.0), mask.sum().item())
+        return run.args.sft_coef * nll / norm
+    return [(b, loss_fn) for b in batches]
+
+
+def reference_step(run):
+    """--ref_ema: after the update, the reference follows the policy, ref = decay x ref + (1 - decay) x policy,
+    parameter by parameter (model.update_params: right whatever ZeRO-3 does with each; in fp32 beside a bf16
+    reference, run.ref_masters, or bf16 would round the small steps away). A reference reset every N steps is the
+    same call with `lambda r, p, *_: r.copy_(p)`. The reference's state is saved in each checkpoint (checkpoint.py)."""
+    if not run.args.ref_ema:
+        return
+    decay = run.args.ref_ema
+    policy = dict(run.engine.module.named_parameters())
+    named = list(run.ref_engine.module.named_parameters())
+    masters = run.ref_masters or [None] * len(named)
+
+    def ema(r, p, master=None):
+        if master is None:
+            r.lerp_(p.to(r.dtype), 1 - decay)
+        else:
+            r.copy_(master.lerp_(p.float(), 1 - decay))
+    model.update_params([p for _, p in named], [[policy[n]] + ([mm] if mm is not None else []) for (n, _), mm in
+                                                 zip(named, masters)], ema)
 
 
 def log_step(run, step, m, groups, stats):
@@ -577,7 +700,7 @@ def validate(run, step, m):
 
 
 def save(run, step):
-    checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank)
+    checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank, run.moving_reference)
 
 
 def finish(run, export=True):
@@ -596,8 +719,18 @@ def finish(run, export=True):
 # ----------------------------------------------------------------------------- main
 
 
+def temperature_at(args, step):
+    """--temperature_end: the sampling temperature goes linearly from --temperature at step 1 to --temperature_end
+    at --max_steps; vLLM samples with it and the trainer's log-probs are of it (the one Sampling record)."""
+    if args.temperature_end is None:
+        return args.temperature
+    return args.temperature + (args.temperature_end - args.temperature) * (step - 1) / max(1, args.max_steps - 1)
+
+
 def train_step(run, step, m):
     """One step on every rank, its phases in the order they run. -> (groups, update stats)."""
+    run.sampling = dataclasses.replace(run.sampling, temperature=temperature_at(run.args, step))
+    m["sampling/temperature"] = run.sampling.temperature
     with memory.phase("data", m):
         samples = select_prompts(run, step)             # the hook; images loaded and downscaled once, here
     sync(run, m)                                        # vLLM gets the new weights
@@ -612,7 +745,8 @@ def train_step(run, step, m):
         old_ref_logps(run, batches)                     # onto the records, before the advantages may read them
     advantages(run, groups, m)
     with memory.phase("update", m):
-        stats = update(run, batches, m)
+        stats = update(run, batches, m, extra=sft_losses(run, groups))   # --sft_coef: a second forward's loss
+        reference_step(run)                             # --ref_ema: the reference follows the policy
     run.updates += 1
     return groups, stats
 

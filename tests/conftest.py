@@ -51,6 +51,22 @@ def tiny_default():
     return tiny_of()
 
 
+@pytest.fixture(scope="module")
+def parts(tiny_default, world1):
+    """(processor, args, 4 prepared samples, 16 prepared samples) of the colour task for the step's phase tests
+    (tests/test_step.py's make_run): groups of 4, 4 prompts, one micro-batch of 8, no KL."""
+    from transformers import AutoProcessor
+
+    import data
+    import train
+    model_dir, train_jsonl, val_jsonl = tiny_default
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_train_batch_size", "8",
+                             "--beta", "0", "--report_to", "none"])
+    pool = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:16]]
+    return processor, args, pool[:4], pool
+
+
 _PORTS = []   # [the open lock file that holds this process's block, the block's first port, the next to try]
 
 

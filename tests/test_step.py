@@ -119,17 +119,6 @@ class FakeStream:
         return {"epoch": 0, "cursor": self.cursor, "skipped": 0, "history": self.history}
 
 
-@pytest.fixture(scope="module")
-def parts(tiny_default, world1):
-    from transformers import AutoProcessor
-    model_dir, train_jsonl, val_jsonl = tiny_default
-    processor = AutoProcessor.from_pretrained(model_dir)
-    args = train.parse_args(["--num_generations", str(G), "--rollout_batch_size", "4", "--per_device_train_batch_size", "8",
-                             "--beta", "0", "--report_to", "none"])
-    pool = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:16]]
-    return processor, args, pool[:4], pool
-
-
 def colour_answer(tokenizer):
     """Generations 0 and 1 of every request answer "red", 2 and 3 "blue"."""
     red, blue = tokenizer.convert_tokens_to_ids("red"), tokenizer.convert_tokens_to_ids("blue")

@@ -1,0 +1,318 @@
+"""The hooks that paper changes use (issue 41), each with the friction that a fork met before it existed: parameters
+edited in place under ZeRO-3 whatever their state, the reference as a part with its own state, rewards per token span
+and advantages per token, a loss from another forward in the same optimizer step, an estimator's own options; and the
+five changes built on them (--temperature_end, --pass_at_k, --ref_ema, the process-reward example, --sft_coef)."""
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_step import G, groups_of, make_run
+
+import grpo
+import reward
+import train
+from conftest import ROOT, free_port, tiny_of
+
+# ----------------------------------------------------------------------------- ZeRO-3 parameters edited in place
+ZERO3_REFERENCE = r"""
+import os, sys
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+from transformers.integrations import HfDeepSpeedConfig
+import checkpoint, model, train
+from test_moe import batch_of
+from conftest import tiny_of
+rank, world, out = dist.get_rank(), dist.get_world_size(), sys.argv[1]
+# the shipped ds_zero3.json: parameters under stage3_param_persistence_threshold (1e5: every one of the tiny model's)
+# stay whole on every rank, and the shards live in host RAM (offload_param cpu)
+args = train.parse_args(["--model", tiny_of()[0], "--per_device_train_batch_size", "2", "--ref_ema", "0.5",
+                         "--min_pixels", "784", "--max_pixels", "3136"])   # the colour task's images: 4 tokens
+cfg = model.ds_config(args, 1, world, False)
+keep = HfDeepSpeedConfig(cfg)
+engine, *_ = deepspeed.initialize(model=(policy := model.load_model(args.model, args, torch.float32)),
+                                  model_parameters=list(policy.parameters()), config=cfg)
+ref = model.load_reference(args, torch.float32, model.reference_config(cfg, args.ref_offload))
+b = batch_of("qwen2_5_vl", args, image=True)
+ts = engine(**b)
+engine.backward(-ts.logps.sum() * 100)   # one optimizer step takes the policy away from the reference
+engine.step()
+named, pol = list(ref.module.named_parameters()), dict(engine.module.named_parameters())
+with torch.no_grad():
+    ref(**b)   # DeepSpeed's first forward traces the module and releases all; from the second, persistent ones stay
+    want, before = engine(**b).logps, ref(**b).logps   # gathered whole on every rank
+    for n, p in named:   # the naive edit: every partition copied, the whole copies on each rank left as they are
+        p.ds_tensor.data.copy_(pol[n].ds_tensor.data)
+    naive = ref(**b).logps
+    model.update_params([p for _, p in named], [[pol[n]] for n, _ in named], lambda r, s: r.copy_(s))
+    edited = ref(**b).logps
+    # an EMA step in fp32 masters (as train.reference_step keeps them beside bf16), then the reference's own state
+    masters = [p.ds_tensor.detach().float().clone() + 1.0 for _, p in named]
+    model.update_params([p for _, p in named], [[pol[n], m] for (n, _), m in zip(named, masters)],
+                        lambda r, p, m: r.copy_(m.lerp_(p.float(), 0.5)))
+    torch.save(checkpoint.reference_parts(ref, masters), os.path.join(out, f"reference{rank}.pt"))
+    full = {}
+    for n, p in named:
+        with deepspeed.zero.GatheredParameters([p]):
+            full[n] = p.detach().clone()
+    if rank == 0:
+        torch.save(full, os.path.join(out, "full.pt"))
+persistent = sum(p.ds_persist for _, p in named)
+print(f"RESULT rank {rank} persistent {persistent}/{len(named)} naive {(naive - want).abs().max().item():.3e} "
+      f"before {(before - want).abs().max().item():.3e} edited {(edited - want).abs().max().item():.3e}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_rank_reference(tmp_path_factory):
+    """The two-rank run of ZERO3_REFERENCE: its output folder and each rank's RESULT line."""
+    out = tmp_path_factory.mktemp("zero3_reference")
+    script = out / "script.py"
+    script.write_text(ZERO3_REFERENCE)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return out, [next(line for line in log.splitlines() if line.startswith("RESULT")) for log in logs]
+
+
+def test_update_params_edits_zero3_parameters_whatever_their_state(two_rank_reference):
+    """Two ranks, the shipped ds_zero3.json (not threshold 0): every parameter of the tiny model is persistent (kept
+    whole on every rank from the second forward on, and never gathered again by an engine without an optimizer step)
+    and its shard is offloaded. Copying the policy's shards into the reference's (the edit a fork wrote for an EMA
+    reference) leaves the reference's forward as it was; model.update_params makes it the policy's exactly."""
+    _, results = two_rank_reference
+    for line in results:
+        fields = line.split()
+        got = dict(zip(fields[3::2], fields[4::2]))
+        n, total = map(int, got["persistent"].split("/"))
+        assert n == total > 0, line                                  # every parameter persistent
+        assert float(got["before"]) > 1e-4, line                     # the policy moved away from the reference
+        assert float(got["naive"]) == float(got["before"]), line     # the shards alone: nothing changed
+        assert float(got["edited"]) < 1e-6, line                     # update_params: the policy's forward
+
+
+def test_the_reference_state_goes_to_another_number_of_ranks(two_rank_reference, world1, tiny_default):
+    """A moving reference's own state, saved as each rank's parts (checkpoint.reference_parts) by two ranks, loads
+    into one rank (checkpoint.load_reference joins the slices and takes this rank's): every parameter equals the
+    two ranks' gathered whole, and so do the fp32 masters beside it."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import checkpoint
+    import model
+    out, _ = two_rank_reference
+    deepspeed.init_distributed(dist_backend="gloo")
+    args = train.parse_args(["--model", tiny_default[0], "--per_device_train_batch_size", "2", "--ref_ema", "0.5"])
+    cfg = model.ds_config(args, 1, 1, False)
+    keep = HfDeepSpeedConfig(cfg)   # noqa: F841  alive while the reference loads
+    ref = model.load_reference(args, torch.float32, model.reference_config(cfg, args.ref_offload))
+    masters = [p.ds_tensor.detach().float().clone() for p in ref.module.parameters()]
+    checkpoint.load_reference(ref, masters, str(out), rank=0, world=1, saved=2)
+    full = torch.load(out / "full.pt", weights_only=True)
+    for (n, p), m in zip(ref.module.named_parameters(), masters):
+        with deepspeed.zero.GatheredParameters([p]):
+            assert torch.equal(p.detach(), full[n]), n
+        assert torch.equal(m[:p.ds_numel].view(p.ds_shape), full[n]), n
+
+
+# ----------------------------------------------------------------------------- rewards per token span
+def test_a_span_maps_to_the_token_that_writes_its_last_character_exactly_for_multibyte_text():
+    """Qwen3.5's tiny tokenizer is a byte-level BPE: the multiplication sign (2 bytes in UTF-8) is two tokens of one
+    byte each. A span ending at it belongs to the token that writes its second byte; a span ending before it, to
+    the token before; every character offset maps to the first token whose decoded prefix holds it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_of("qwen3_5")[0])
+    text = "2 \u00d7 3 = 6 and 6 + 1 = 8"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for end in range(1, len(text) + 1):
+        i = train.token_of(tok, ids, end)
+        assert len(tok.decode(ids[:i + 1]).rstrip("\ufffd")) >= end > len(tok.decode(ids[:i]).rstrip("\ufffd")), end
+    times = text.index("\u00d7")
+    i = train.token_of(tok, ids, times + 1)
+    assert tok.decode(ids[:i]).endswith("\ufffd") or len(tok.convert_ids_to_tokens(ids[i])) < 2   # the sign's last byte
+
+
+def test_a_reward_may_score_spans_and_a_bad_span_fails_the_completion():
+    """equation_steps scores each arithmetic step; compute_rewards takes a span reward's sum as its score and hands
+    the spans on; a span outside the text (or not (int, int, number)) fails that completion, not the batch."""
+    text = ["2 \u00d7 3 = 6 so 6 + 1 = 8", "no steps"]
+    assert reward.equation_steps(text) == [[(0, 9, 1.0), (13, 22, -1.0)], []]
+    spans = {}
+    total, scores, failed = reward.compute_rewards(["equation_steps"], None, text, {}, spans)
+    assert total == [0.0, 0.0] and spans == {"equation_steps": [[(0, 9, 1.0), (13, 22, -1.0)], []]}
+    reward.REWARDS["bad_spans"] = lambda completions, **kw: [[(0, 99, 1.0)], [(0, 2, 0.5)]]
+    try:
+        total, _, failed = reward.compute_rewards(["bad_spans"], None, text, {})
+    finally:
+        del reward.REWARDS["bad_spans"]
+    assert failed["bad_spans"] == [True, False] and total == [0.0, 0.5]
+
+
+def test_process_rewards_give_each_token_its_steps_advantage(parts, tmp_path):
+    """--advantage_estimator process with a reward per step: score puts each step's score at the token that ends it
+    and accuracy's at the last token (reward_events); advantages are one per token, the normalised events at or
+    after it (DeepSeekMath's process supervision, by hand here); the loss takes them per token."""
+    run, samples = make_run(parts, tmp_path, reward_funcs=["equation_steps", "accuracy"], reward_weights=[1.0, 2.0],
+                            advantage_estimator="process")
+    tok = run.processor.tokenizer
+    texts = ["1 + 1 = 2 red", "1 + 1 = 3 red", "blue", "1 + 1 = 2 blue"]
+    groups = [train.Group(sample=samples[0], completions=[
+        train.Completion(index=k, token_ids=tok(t, add_special_tokens=False)["input_ids"], sampler_logps=[], text=t,
+                         finish_reason="stop") for k, t in enumerate(texts)])]
+    train.score(run, groups)
+    comps = groups[0].completions
+    assert comps[0].spans == {"equation_steps": [(0, 9, 1.0)]} and comps[2].spans == {"equation_steps": []}
+    solved = [c.rewards["accuracy"] for c in comps]
+    assert comps[0].events == [(train.token_of(tok, comps[0].token_ids, 9), 1.0), (len(comps[0].token_ids) - 1,
+                                                                                   2.0 * solved[0])]
+    train.advantages(run, groups, {})
+    scores = torch.tensor([s for c in comps for _, s in c.events], dtype=torch.float64)
+    mean, std = scores.mean(), scores.std()
+    for c in comps:
+        want = torch.zeros(len(c.token_ids), dtype=torch.float64)
+        for i, s in c.events:
+            want[:i + 1] += (s - mean) / (std + 1e-4)
+        assert torch.allclose(c.advantage.double(), want, atol=1e-6), (c.text, c.advantage, want)
+    assert c.advantage.shape == (len(c.token_ids),) and c.advantage.unique().numel() >= 1
+    for c in comps:
+        c.old_logps = torch.zeros(len(c.token_ids))
+    (b,) = train.micro_batches(run, groups)
+    loss = train.policy_loss(run, b, 1, 1.0, {}, lambda *a: None, [], 1)
+    assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------- a loss from another forward
+def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts, tmp_path):
+    """--sft_coef: the gold answers go through the policy in micro-batches of their own after the RL ones, in the
+    same optimizer step, at temperature 1 whatever --temperature is (the forward's sampling a parameter); the loss is
+    sft_coef x the mean NLL over every gold token, so micro-batches of 1 and of 4 give the same step and the same
+    train/sft_nll. With --sft_coef 0 there is no second forward."""
+    lengths = [[1, 2, 3, 4]] * 4
+    zero = [[0.0] * G] * 4   # no RL signal: only the supervised loss moves the policy
+    results = []
+    for mb in (2, 8):
+        run, samples = make_run(parts, tmp_path / str(mb), sft_coef=0.5, temperature=0.5, per_device_train_batch_size=mb)
+        groups = groups_of(samples, lengths, advantages=zero)
+        batches = train.micro_batches(run, groups)
+        for c in (c for g in groups for c in g.completions):
+            c.old_logps = torch.zeros(len(c.token_ids))
+        forwards = run.engine.forwards
+        stats = train.update(run, batches, {}, extra=train.sft_losses(run, groups))
+        gold = train.gold_batches(run, groups)
+        assert run.engine.forwards - forwards == len(batches) + len(gold) and len(gold) == -(-len(groups) // mb)
+        results.append((run.engine.module.w.detach().clone(), stats["train/sft_nll"]))
+    (w1, nll1), (w2, nll2) = results
+    assert torch.allclose(w1, w2, atol=1e-6) and nll1 == pytest.approx(nll2)
+    allowed = torch.ones(len(w1), dtype=torch.bool)
+    allowed[list(run.sampling.banned)] = False
+    assert nll1 == pytest.approx(math.log(allowed.sum().item()))   # the policy's uniform start
+    gold = [run.processor.tokenizer(g.sample["columns"]["solution"], add_special_tokens=False)["input_ids"][0]
+            for g in groups]
+    assert all(w1[t] > 0 for t in gold)   # the step raised each gold answer's token
+    # at temperature 1 whatever --temperature is: the NLL of a non-uniform policy, by hand
+    torch.manual_seed(0)
+    with torch.no_grad():
+        run.engine.module.w.copy_(torch.randn(len(w1)))
+    seen = {}
+    (b, loss_fn), *_ = train.sft_losses(run, groups)
+    loss_fn(run, b, lambda name, value, weight: seen.update({name: (value, weight)}))
+    logp = run.engine.module.w.detach().masked_fill(~allowed, -math.inf).log_softmax(-1)
+    end = run.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    want = [-logp[t].item() for g in groups[:b["inputs"]["input_ids"].shape[0]] for t in
+            run.processor.tokenizer(g.sample["columns"]["solution"], add_special_tokens=False)["input_ids"] + [end]]
+    assert seen["train/sft_nll"] == (pytest.approx(sum(want) / len(want), rel=1e-5), len(want))
+    run, samples = make_run(parts, tmp_path / "off")
+    assert train.sft_losses(run, groups_of(samples, lengths)) == []
+
+
+# ----------------------------------------------------------------------------- an estimator's own options
+def test_pass_at_k_gets_its_k_and_matches_the_papers_advantages(parts, tmp_path):
+    """--advantage_estimator pass_at_k --pass_at_k 2: group_advantages receives k by name (grpo.ESTIMATORS lists the
+    flags each estimator reads) and gives Chen et al.'s analytical advantages; --pass_at_k with another estimator is
+    said to do nothing, and a k above the group is refused."""
+    run, samples = make_run(parts, tmp_path, advantage_estimator="pass_at_k", pass_at_k=2)
+    groups = groups_of(samples[:1], [[1] * G])
+    for c, r in zip(groups[0].completions, [1.0, 0.0, 0.0, 0.0]):
+        c.total = r
+    train.advantages(run, groups, {})
+    rho = 1 - math.comb(3, 2) / math.comb(4, 2)
+    sigma = math.sqrt(rho * (1 - rho))
+    want = [(1 - rho) / sigma] + [(1 - rho - math.comb(2, 1) / math.comb(3, 1)) / sigma] * 3
+    assert [c.advantage for c in groups[0].completions] == pytest.approx(want)
+    assert want[0] > 0 > want[1]
+    k4 = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "pass_at_k", pass_at_k=4)[0]
+    assert torch.allclose(k4, torch.zeros(4))   # k = G: the group's pass@4 is 1 whatever each answer did
+    (note,) = train.inert_flags(train.parse_args(["--pass_at_k", "2"]))
+    assert note.startswith("--pass_at_k acts only with --advantage_estimator pass_at_k")
+    with pytest.raises(SystemExit, match="--pass_at_k 9"):
+        train.check_args(train.parse_args(["--advantage_estimator", "pass_at_k", "--pass_at_k", "9",
+                                           "--num_generations", "8"]), 1)
+
+
+# ----------------------------------------------------------------------------- the dynamic-sampling bug
+def test_dynamic_sampling_judges_a_groups_spread_over_its_scored_completions(parts, tmp_path):
+    """A group whose scored completions all agree, beside one no reward could score (its total a placeholder 0),
+    carries no signal: --dynamic_sampling drops it (it kept it before: dynamic/dropped_count 0 while
+    reward/zero_spread_groups counted it)."""
+    run, samples = make_run(parts, tmp_path, dynamic_sampling=True, max_num_gen_batches=1)
+    groups = groups_of(samples, [[1] * G] * len(samples))
+    for g in groups:
+        for c, r in zip(g.completions, [1.0, 1.0, 1.0, 0.0]):
+            c.total = r
+    groups[0].completions[3].failed = {"accuracy": True}   # unscored: its 0 is no score
+    m = {}
+    kept = train.filter_groups(run, groups, 1, m)
+    assert m["dynamic/dropped_count"] == 1 and groups[0] not in kept[:len(samples) - 1]
+
+
+# ----------------------------------------------------------------------------- the temperature schedule
+def test_temperature_end_reaches_vllm_and_the_trainer(parts, tmp_path):
+    """--temperature_end: each step's temperature, linear from --temperature at step 1 to the end at --max_steps, is
+    the one Sampling record's: vLLM's sampling parameters and the trainer's log-probs use it."""
+    run, samples = make_run(parts, tmp_path, temperature=1.0, temperature_end=0.5, max_steps=3)
+    assert [train.temperature_at(run.args, s) for s in (1, 2, 3)] == pytest.approx([1.0, 0.75, 0.5])
+    seen = []
+    for step in (1, 3):
+        train.train_step(run, step, {})
+        seen.append((run.llm.params[-1][0].temperature, run.sampling.temperature))
+    assert seen == [(1.0, 1.0), (0.5, 0.5)]
+    assert train.temperature_at(argparse.Namespace(temperature=0.7, temperature_end=None, max_steps=3), 3) == 0.7
+
+
+# ----------------------------------------------------------------------------- the changes together, resumed
+@pytest.mark.launch
+def test_the_paper_changes_run_and_resume_exactly(tmp_path):
+    """Two ranks with --ref_ema, --sft_coef, --temperature_end and pass@k advantages: three steps, a checkpoint each
+    (the moving reference's parts in it); the folder copied without its last checkpoint and relaunched resumes from
+    step 2 (the reference's own state loaded) and logs step 3 bitwise as the uninterrupted run did."""
+    import shutil
+
+    from test_resume import SAME
+
+    from conftest import FAST, launch
+    flags = [*FAST, "--ref_ema", "0.9", "--sft_coef", "0.1", "--temperature_end", "0.7", "--advantage_estimator",
+             "pass_at_k", "--pass_at_k", "2", "--max_steps", "3", "--save_steps", "1", "--val_freq", "0",
+             "--no-save_final_model"]
+    whole, log = launch(tmp_path / "whole", *flags)
+    assert sorted(f for f in os.listdir(tmp_path / "whole" / "checkpoint-2") if f.startswith("reference")) == \
+        ["reference0.pt", "reference1.pt"]
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-3", ".owner.json"))
+    resumed, log = launch(tmp_path / "resumed", *flags)
+    assert "[resume] from" in log and "checkpoint-2" in log
+    last = [r for r in whole if r["step"] == 3 and "reward/mean" in r]
+    again = [r for r in resumed if r["step"] == 3 and "reward/mean" in r]
+    assert len(last) == len(again) == 1
+    for k in (*SAME, "train/sft_nll", "sampling/temperature"):
+        assert last[0].get(k) == again[0].get(k), (k, last[0].get(k), again[0].get(k))
+    assert last[0]["sampling/temperature"] == pytest.approx(0.7) and last[0]["train/sft_nll"] > 0
