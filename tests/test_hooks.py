@@ -13,6 +13,7 @@ import torch
 from test_step import G, groups_of, make_run
 
 import grpo
+import learner
 import reward
 import train
 from conftest import ROOT, free_port, tiny_of
@@ -52,7 +53,7 @@ with torch.no_grad():
     naive = ref(**b).logps
     model.update_params([p for _, p in named], [[pol[n]] for n, _ in named], lambda r, s: r.copy_(s))
     edited = ref(**b).logps
-    # an EMA step in fp32 masters (as train.reference_step keeps them beside bf16), then the reference's own state
+    # an EMA step in fp32 masters (as learner.reference_step keeps them beside bf16), then the reference's own state
     masters = [p.ds_tensor.detach().float().clone() + 1.0 for _, p in named]
     model.update_params([p for _, p in named], [[pol[n], m] for (n, _), m in zip(named, masters)],
                         lambda r, p, m: r.copy_(m.lerp_(p.float(), 0.5)))
@@ -188,7 +189,7 @@ def test_process_rewards_give_each_token_its_steps_advantage(parts, tmp_path):
     for c in comps:
         c.old_logps = torch.zeros(len(c.token_ids))
     (b,) = train.micro_batches(run, groups)
-    loss = train.policy_loss(run, b, 1, 1.0, {}, lambda *a: None, [], 1)
+    loss = learner.policy_loss(run, b, 1, 1.0, {}, lambda *a: None, [], 1)
     assert torch.isfinite(loss)
 
 
@@ -208,8 +209,8 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
         for c in (c for g in groups for c in g.completions):
             c.old_logps = torch.zeros(len(c.token_ids))
         forwards = run.engine.forwards
-        stats = train.update(run, batches, {}, extra=train.sft_losses(run, groups))
-        gold = train.gold_batches(run, groups)
+        stats = learner.update(run, batches, {}, extra=learner.sft_losses(run, groups))
+        gold = learner.gold_batches(run, groups)
         assert run.engine.forwards - forwards == len(batches) + len(gold) and len(gold) == -(-len(groups) // mb)
         results.append((run.engine.module.w.detach().clone(), stats["train/sft_nll"]))
     (w1, nll1), (w2, nll2) = results
@@ -225,7 +226,7 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
     with torch.no_grad():
         run.engine.module.w.copy_(torch.randn(len(w1)))
     seen = {}
-    (b, loss_fn), *_ = train.sft_losses(run, groups)
+    (b, loss_fn), *_ = learner.sft_losses(run, groups)
     loss_fn(run, b, lambda name, value, weight: seen.update({name: (value, weight)}))
     logp = run.engine.module.w.detach().masked_fill(~allowed, -math.inf).log_softmax(-1)
     end = run.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -233,7 +234,7 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
             run.processor.tokenizer(g.sample["columns"]["solution"], add_special_tokens=False)["input_ids"] + [end]]
     assert seen["train/sft_nll"] == (pytest.approx(sum(want) / len(want), rel=1e-5), len(want))
     run, samples = make_run(parts, tmp_path / "off")
-    assert train.sft_losses(run, groups_of(samples, lengths)) == []
+    assert learner.sft_losses(run, groups_of(samples, lengths)) == []
 
 
 # ----------------------------------------------------------------------------- an estimator's own options

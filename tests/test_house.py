@@ -12,8 +12,8 @@ FLOORS = [
     ("families and loading; samples, images and videos", ["model", "data"]),
     ("what is built on them", ["toolbox", "tiny", "flags"]),
     ("the planner, memory, the vLLM engine, checkpoints, logs", ["planner", "memory", "rollout", "checkpoint", "logs"]),
-    ("the top: a launch's set-up, the step; beside them the benchmark and the GPU check",
-     ["startup", "train", "bench", "gpu_check"]),
+    ("the top: a launch's set-up, the update phase, the step; beside them the benchmark and the GPU check",
+     ["startup", "learner", "train", "bench", "gpu_check"]),
 ]
 ORDER = {name: (floor, i) for floor, (_, names) in enumerate(FLOORS) for i, name in enumerate(names)}
 LAZY_OK = {"bench", "gpu_check"}

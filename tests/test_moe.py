@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import data
+import learner
 import model as model_py
 import rollout
 import startup
@@ -113,7 +114,7 @@ def test_the_aux_loss_coefficient_is_the_checkpoints_when_its_config_turns_it_on
 
 
 def test_train_logs_the_aux_loss_and_the_expert_shares():
-    """train.router_loss adds coefficient x the aux loss so that over a step's micro-batches it is their mean (after
+    """learner.router_loss adds coefficient x the aux loss so that over a step's micro-batches it is their mean (after
     DeepSpeed's 1/gas), logs train/aux_loss and collects the load; expert_shares reduces the shares by Max and Min."""
     import types
 
@@ -122,13 +123,13 @@ def test_train_logs_the_aux_loss_and_the_expert_shares():
     run = types.SimpleNamespace(aux_loss_coef=0.01, gas=4)
     sums, loads = {}, []
     add = lambda k, v, w: sums.update({k: (v, w)})   # noqa: E731
-    loss = train.router_loss(run, types.SimpleNamespace(router=stats), 2, add, loads)
+    loss = learner.router_loss(run, types.SimpleNamespace(router=stats), 2, add, loads)
     assert loss == pytest.approx(0.01 * 4 / 2 * 1.5) and sums["train/aux_loss"] == (1.5, 1) and len(loads) == 1
-    assert train.router_loss(run, types.SimpleNamespace(router=None), 2, None, loads) == 0.0
-    shares = train.expert_shares(loads * 2)
+    assert learner.router_loss(run, types.SimpleNamespace(router=None), 2, None, loads) == 0.0
+    shares = learner.expert_shares(loads * 2)
     assert shares["train/expert_share_max"] == 0.75 and shares["train/expert_share_min"] == 0.25
     assert type(shares["train/expert_share_max"]) is ranks.Max and type(shares["train/expert_share_min"]) is ranks.Min
-    assert train.expert_shares([]) == {}
+    assert learner.expert_shares([]) == {}
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -420,7 +421,7 @@ def test_replayed_routing_keeps_the_router_trainable(arch):
 
 
 class PlainEngine:
-    """The HF model where train.update takes a DeepSpeed engine: its forward and backward, no optimizer step."""
+    """The HF model where learner.update takes a DeepSpeed engine: its forward and backward, no optimizer step."""
     def __init__(self, m):
         self.module = m
 
@@ -483,7 +484,7 @@ def test_the_flag_reaches_the_training_forward(arch, shared, replay_llm):
     batches = train.micro_batches(run, groups)
     assert batches[0]["inputs"]["attention_mask"].dim() == (4 if shared else 2)   # the layout asked for
     with experts_used(m) as used:
-        stats = train.update(run, batches, {})
+        stats = learner.update(run, batches, {})
     assert torch.isfinite(torch.tensor(stats["train/loss"]))
     moved = 0
     for j, b in enumerate(batches):

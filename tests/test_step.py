@@ -13,6 +13,8 @@ import torch
 
 import data
 import grpo
+import learner
+import model as model_py
 import ranks
 import startup
 import train
@@ -185,12 +187,12 @@ def test_each_family_gets_its_grid_its_cpu_dtype_and_unknown_ones_a_clear_error(
     for arch, grid in (("qwen2_5_vl", 28), ("qwen3_vl", 32), ("qwen3_5", 32)):
         a = train.parse_args(["--tiny_arch", arch])
         assert (a.min_pixels, a.max_pixels) == (grid ** 2, 4 * grid ** 2)
-        assert train.model.use_bf16(a, {"model_type": arch}, cuda=False) is (arch == "qwen3_5")
-        assert train.model.use_bf16(a, {"model_type": arch}, cuda=True) is True
+        assert model_py.use_bf16(a, {"model_type": arch}, cuda=False) is (arch == "qwen3_5")
+        assert model_py.use_bf16(a, {"model_type": arch}, cuda=True) is True
     with pytest.raises(SystemExit, match="in bf16 only"):
-        train.model.use_bf16(train.parse_args(["--no-bf16"]), {"model_type": "qwen3_5"}, cuda=False)
+        model_py.use_bf16(train.parse_args(["--no-bf16"]), {"model_type": "qwen3_5"}, cuda=False)
     with pytest.raises(SystemExit, match="'llava' is not a family this code knows .*qwen3_vl"):
-        train.model.family({"model_type": "llava"})
+        model_py.family({"model_type": "llava"})
 
 
 def test_importing_train_parses_nothing(monkeypatch):
@@ -350,7 +352,7 @@ def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
     assert batches[-1]["completions"][-1] is groups[0].completions[2]   # the 20-token answer, last
     padded = sum(b["inputs"]["completion_mask"].numel() for b in batches)
     assert padded == 4 * (1 + 2 + 2 + 20) < 16 * 20   # the step's longest everywhere: 320 tokens
-    stats = train.update(run, batches, {})
+    stats = learner.update(run, batches, {})
     cmask = [b["inputs"]["completion_mask"] for b in batches]
     attn = [b["inputs"]["attention_mask"] for b in batches]
     assert 0 < stats["update/padded_frac"] == pytest.approx(1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
@@ -370,7 +372,7 @@ def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
     assert shapes == [(6, 1), (6, 2), (3, 2), (1, 100)], (shapes, prompt)   # 8 ones, 7 twos, one of 100 alone
     steps = []
     run.engine.opt.step = lambda: steps.append(run.engine.calls)
-    train.update(run, batches, {})
+    learner.update(run, batches, {})
     assert steps == [len(batches)]
 
 
@@ -380,11 +382,11 @@ def test_old_and_ref_logps_only_when_needed(parts, tmp_path):
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
     batches = train.micro_batches(run, groups)
-    train.old_ref_logps(run, batches)
+    learner.old_ref_logps(run, batches)
     c = batches[0]["completions"][0]
     assert run.engine.forwards == 0 and c.old_logps is None and c.ref_logps is None
     run.args.num_iterations, run.ref_engine = 2, FakeEngine(len(parts[0].tokenizer), 1)
-    train.old_ref_logps(run, batches)
+    learner.old_ref_logps(run, batches)
     assert run.engine.forwards == len(batches) and run.ref_engine.forwards == len(batches)
     assert c.old_logps.shape == c.ref_logps.shape == (len(c.token_ids),)   # on the record, its own length
 
@@ -394,12 +396,12 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
     batches = train.micro_batches(run, groups)
-    train.old_ref_logps(run, batches)
+    learner.old_ref_logps(run, batches)
     train.advantages(run, groups, {})
     tok = parts[0].tokenizer
     red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
     m = {}
-    stats = train.update(run, batches, m)
+    stats = learner.update(run, batches, m)
     w = run.engine.module.w.detach()
     reds = sum(g.sample["columns"]["solution"] == "red" for g in groups)
     blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
@@ -420,7 +422,7 @@ LOSS_FLAGS = [{}, {"loss_agg": "sequence"}, {"loss_agg": "dr_grpo"}, {"importanc
 
 
 def test_each_loss_flag_changes_the_update(parts, tmp_path):
-    """The loss and sampler-correction flags reach grpo through train.update: each gives its own
+    """The loss and sampler-correction flags reach grpo through learner.update: each gives its own
     policy after a step of 2 iterations (on-policy, GSPO's gradient is GRPO's; grpo's hand-computed
     tests check what each one computes). Completions of 1-3 tokens, so per-token and per-sequence
     differ; generations 1 and 3 were sampled at log-prob -8, far below the trainer's (ratio ~30 >
@@ -438,9 +440,9 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
         groups = train.rollout_groups(run, samples, step=1)
         train.score(run, groups)
         batches = train.micro_batches(run, groups)
-        train.old_ref_logps(run, batches)
+        learner.old_ref_logps(run, batches)
         train.advantages(run, groups, {})
-        train.update(run, batches, {})
+        learner.update(run, batches, {})
         policies.append(run.engine.module.w.detach().clone())
     assert any(p.abs().max() > 1e-3 for p in policies)
     for i in range(len(policies)):
@@ -463,10 +465,10 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(parts, tmp_
         groups = train.rollout_groups(run, samples, step=1)
         train.score(run, groups)
         batches = train.micro_batches(run, groups)
-        train.old_ref_logps(run, batches)
+        learner.old_ref_logps(run, batches)
         m = {}
         train.advantages(run, groups, m)
-        out[flag] = groups, m, train.update(run, batches, m)
+        out[flag] = groups, m, learner.update(run, batches, m)
     allowed = len(tok) - len(run.sampling.banned)
     old = -math.log(allowed)                                        # the policy: uniform over the allowed ids
     ref = {True: 2.0 - math.log(math.exp(2.0) + allowed - 1), False: -math.log(math.exp(2.0) + allowed - 1)}
@@ -506,10 +508,10 @@ def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_pat
     assert {(sp.top_k, sp.top_p, sp.temperature) for sp in run.llm.params[0]} == {(5, 0.9, 0.8)}
     train.score(run, groups)
     batches = train.micro_batches(run, groups)
-    train.old_ref_logps(run, batches)
+    learner.old_ref_logps(run, batches)
     train.advantages(run, groups, {})
     m = {}
-    stats = train.update(run, batches, m)
+    stats = learner.update(run, batches, m)
     assert m["rollout/logp_diff_max"] < 1e-5 and stats["rollout/logp_diff_mean"] < 1e-5
     assert m["sampling/is_ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["sampling/is_ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert groups[0].completions[0].old_logps.item() == pytest.approx(full[red].item(), abs=1e-6)   # pi_old: untruncated
@@ -716,7 +718,7 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--tiny_arch", arch])
     sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
-    model = train.model.load_model(model_dir, args, torch.float32)
+    model = model_py.load_model(model_dir, args, torch.float32)
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
     batch = data.collate([sample, sample], [[5] * 6, [7]], processor.tokenizer.pad_token_id, banned.tolist())
     assert set(batch["input_ids"][1, -6:-1].tolist()) & set(banned.tolist())   # a control token in the window
@@ -747,8 +749,8 @@ def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
     samples = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:2]]
     samples.append(data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args))
     comps = [[[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21]], [[30, 31], [32, 33, 34, 35]], [[40], [41, 42, 43]]]
-    model = train.model.load_model(model_dir, args, torch.float32)
-    assert train.model.shared_prefix_unsupported(model.config) is None
+    model = model_py.load_model(model_dir, args, torch.float32)
+    assert model_py.shared_prefix_unsupported(model.config) is None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
@@ -785,19 +787,19 @@ def test_shared_prefix_falls_back_where_a_row_cannot_share(tmp_path):
 
     from conftest import tiny_of
     qwen25 = AutoConfig.from_pretrained(tiny_of("qwen2_5_vl")[0])
-    assert "linear_attention" in train.model.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]))
-    assert train.model.shared_prefix_unsupported(qwen25) is None
-    assert "--micro_batch_tokens" in train.model.shared_prefix_unsupported(qwen25, micro_batch_tokens=64)
+    assert "linear_attention" in model_py.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]))
+    assert model_py.shared_prefix_unsupported(qwen25) is None
+    assert "--micro_batch_tokens" in model_py.shared_prefix_unsupported(qwen25, micro_batch_tokens=64)
     train.check_args(train.parse_args(["--num_generations", "4", "--micro_batch_tokens", "64"]), 1)   # the default: falls back
     with pytest.raises(SystemExit, match="--shared_prefix with --micro_batch_tokens"):
         train.check_args(train.parse_args(["--num_generations", "4", "--shared_prefix", "--micro_batch_tokens", "64"]), 1)
     flash = train.parse_args(["--attn_implementation", "flash_attention_2"])
-    assert train.model.attention(flash, qwen25, fast_vision=False) == {"": "sdpa", "text_config": "sdpa",
+    assert model_py.attention(flash, qwen25, fast_vision=False) == {"": "sdpa", "text_config": "sdpa",
                                                                         "vision_config": "flash_attention_2"}
-    assert train.model.attention(train.parse_args(["--attn_implementation", "flash_attention_2", "--no-shared_prefix"]),
+    assert model_py.attention(train.parse_args(["--attn_implementation", "flash_attention_2", "--no-shared_prefix"]),
                                  qwen25, fast_vision=False) == "flash_attention_2"
-    assert train.model.attention(train.parse_args([]), qwen25, fast_vision=True)["vision_config"] == "flash_attention_2"
-    assert train.model.attention(train.parse_args([]), qwen25, fast_vision=False) == "sdpa"
+    assert model_py.attention(train.parse_args([]), qwen25, fast_vision=True)["vision_config"] == "flash_attention_2"
+    assert model_py.attention(train.parse_args([]), qwen25, fast_vision=False) == "sdpa"
 
 
 def test_shared_prefix_eager_path_creates_every_tensor_on_the_inputs_device(monkeypatch):
@@ -820,7 +822,7 @@ def test_shared_prefix_eager_path_creates_every_tensor_on_the_inputs_device(monk
             caller = sys._getframe(1)
             while caller and "/torch/" in caller.f_code.co_filename:
                 caller = caller.f_back
-            if func in factories and caller and caller.f_code.co_filename == train.model.__file__ and \
+            if func in factories and caller and caller.f_code.co_filename == model_py.__file__ and \
                     "device" not in kwargs and func is not torch.zeros_like:
                 bare.append(f"{func.__name__} at model.py:{caller.f_lineno}")
             return func(*args, **kwargs)
@@ -828,7 +830,7 @@ def test_shared_prefix_eager_path_creates_every_tensor_on_the_inputs_device(monk
     processor = AutoProcessor.from_pretrained(model_dir)
     for attn in ("eager", "sdpa"):
         args = train.parse_args(["--attn_implementation", attn])
-        model = train.model.load_model(model_dir, args, torch.float32)
+        model = model_py.load_model(model_dir, args, torch.float32)
         assert model.config.get_text_config()._attn_implementation == attn
         sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
         text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
@@ -866,7 +868,7 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
     image = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
     text = data.prepare({"question": "what is 2", "solution": "4", "_where": "t:1"}, processor, args)
     assert text["images"] == [] and "pixel_values" not in text["hf"]
-    model = train.model.load_model(model_dir, args, torch.float32)
+    model = model_py.load_model(model_dir, args, torch.float32)
     calls = []
     model.model.visual.register_forward_hook(lambda *a: calls.append(1))
     banned = torch.tensor(train.rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import data
+import learner
 import model as model_py
 import rollout
 import startup
@@ -46,7 +47,7 @@ def gaps(run, groups, policy):
         with torch.no_grad():
             ts = policy(**b["inputs"], sampling=run.sampling, with_kept=True)
         trainer = ts.logps - (ts.log_kept if ts.log_kept is not None else 0.0)
-        sampler = train.to_rows([c.sampler_logps for c in b["completions"]], run.device)
+        sampler = learner.to_rows([c.sampler_logps for c in b["completions"]], run.device)
         out.append(((trainer - sampler).abs() * b["inputs"]["completion_mask"]).max().item())
     return max(out)
 
