@@ -23,7 +23,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None, help="HF model dir or hub id of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (model.FAMILIES); default: the embedded tiny model (tiny.py)")
+    g.add_argument("--model", default=None, help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint, dense or mixture-of-experts (Qwen3-VL-MoE, Qwen3.5-MoE; model.FAMILIES); default: the embedded tiny model (tiny.py)")
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="embedded default only: the colour task, boxes of a red square (iou reward), the colour of a detail only a crop shows (--tools crop), or which way a shape moves in a video (one frame cannot tell)")
@@ -114,6 +114,7 @@ def build_parser():
     g.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
     g.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
     g.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
+    g = p.add_argument_group("the memory plan")
     g.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
     g.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
     g.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")

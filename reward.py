@@ -183,8 +183,9 @@ def compute_rewards(names, weights, completions, columns):
             values = list(REWARDS[name](completions, **columns)) if completions else []
             if len(values) != len(completions):
                 raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, score 0
-            print(f"[reward] {name} raised {type(e).__name__}: {e}; scored 0 for this batch")
+        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave the batch out
+            print(f"[reward] {name} raised {type(e).__name__}: {e}; this batch's completions count as its failures "
+                  f"(left out of their groups' statistics and of the loss)")
             values = [None] * len(completions)
         clean = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
         failed[name] = [v is None for v in clean]

@@ -87,3 +87,14 @@ def test_the_check_catches_a_drifted_default():
     defaults = vars(p.parse_args(["--model", "MODEL"]))
     row = next(r for r in readme_rows() if "--num_generations" in r[0])
     assert split_top(row[1])[0] != str(defaults["num_generations"])
+
+
+def test_the_flag_groups_and_the_model_help_say_what_they_hold():
+    """--memory, --skip_memory_preflight and --plan are the memory plan's, not "LoRA and frozen parts"; --model's help
+    names the mixture-of-experts families beside the dense ones (model.FAMILIES)."""
+    import model
+    groups = {a.dest: g.title for g in flags.build_parser()._action_groups for a in g._group_actions}
+    assert {groups[f] for f in ("memory", "skip_memory_preflight", "plan")} == {"the memory plan"}
+    helps = {a.dest: a.help for a in flags.build_parser()._actions}
+    assert set(model.FAMILIES) == {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"}
+    assert all(name in helps["model"] for name in ("Qwen2.5-VL", "Qwen3-VL", "Qwen3.5", "Qwen3-VL-MoE", "Qwen3.5-MoE"))

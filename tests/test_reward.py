@@ -195,3 +195,17 @@ def test_weights_must_match_functions():
 def test_no_completions_no_calls():
     total, scores, failures = reward.compute_rewards(["accuracy", "format"], None, [], {})
     assert total == [] and scores == {"accuracy": [], "format": []} and failures == {"accuracy": [], "format": []}
+
+
+def test_a_reward_that_raises_says_its_completions_are_failures_not_zeros(capsys):
+    """A reward that raises is no score: its batch's completions are flagged (left out of their groups' statistics and
+    of the loss, train.Completion.scored), and the line says so instead of "scored 0"."""
+    def broken(completions, **kwargs):
+        raise KeyError("solution")
+    reward.REWARDS["broken"] = broken
+    try:
+        total, scores, failed = reward.compute_rewards(["broken"], None, ["a", "b"], {})
+    finally:
+        del reward.REWARDS["broken"]
+    out = capsys.readouterr().out
+    assert failed == {"broken": [True, True]} and "failures" in out and "scored 0" not in out
