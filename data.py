@@ -444,11 +444,12 @@ def image_path(base, name):
     return os.path.join(base, name)
 
 
-def prepare(row, processor, args, tools=None):
+def prepare(row, processor, args, tools=None, norm_bbox="none"):
     """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
     training. `tools`: {name: JSON schema} of the run's tools (--tools; toolbox.schemas), which the prompt shows
-    (a row's own "tools" field: a part of them, or none). Raises ValueError naming the sample for anything that
-    cannot be trained on."""
+    (a row's own "tools" field: a part of them, or none). `norm_bbox`: the model family's box convention
+    (model.FAMILIES), kept on the sample for the tools and as a column for the rewards. Raises ValueError naming
+    the sample for anything that cannot be trained on."""
     tools = tools or {}
     if set(getattr(args, "tools", None) or []) - set(tools):
         raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: tools=toolbox.schemas(args.tools)")
@@ -525,13 +526,14 @@ def prepare(row, processor, args, tools=None):
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))
+    columns["norm_bbox"] = norm_bbox   # how the model writes a box (the family's, not the data's)
     # an image field present but empty (a parquet cell of None, "image": ""): trained text-only, and counted
     empty = not pil and any(k in row for k in ("image", "images"))
     # videos: each (frames, metadata) as vLLM takes it (vllm_request); sources and pixel_bounds: what a tool
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
     return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
                 columns=columns, where=where, id=row.get("_id"), empty_image=empty, sources=[source(im) for im in images],
-                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names)
+                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names, norm_bbox=norm_bbox)
 
 
 class PromptStream:
@@ -542,9 +544,9 @@ class PromptStream:
     train.select_prompts reads it); it is checkpointed with the position. `consumed`: {epoch: rows} that the
     ranks of an earlier launch with another number of ranks took in an epoch this one has not finished
     (regroup): skipped, so that no row comes twice in that epoch. `source`: the source's fingerprint."""
-    def __init__(self, rows, processor, args, rank, world, tools=None):
+    def __init__(self, rows, processor, args, rank, world, tools=None, norm_bbox="none"):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
-        self.tools = tools   # {name: JSON schema} of --tools (prepare)
+        self.tools, self.norm_bbox = tools, norm_bbox   # {name: JSON schema} of --tools, the box convention (prepare)
         self.epoch, self.cursor, self.skipped, self.history, self.empty_images = 0, 0, 0, {}, 0
         self.consumed, self.source = {}, getattr(rows, "fingerprint", None)
 
@@ -598,7 +600,7 @@ class PromptStream:
                 continue
             row = self.rows[i]
             try:
-                out.append(prepare(row, self.processor, self.args, self.tools))
+                out.append(prepare(row, self.processor, self.args, self.tools, self.norm_bbox))
                 if out[-1]["empty_image"]:
                     self.empty_images += 1
                     if self.empty_images == 1:
@@ -631,13 +633,13 @@ def consumed_rows(states, n, seed):
     return taken
 
 
-def validation_samples(args, processor, rank, world, tools=None):
+def validation_samples(args, processor, rank, world, tools=None, norm_bbox="none"):
     """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. A
     file of which no rank keeps a sample is refused at start (check_validation), on every rank alike."""
     rows, out, skipped = Rows(args.val_data, args.columns, args.image_root), [], []
     for i in range(rank, len(rows), world):
         try:
-            out.append(prepare(rows[i], processor, args, tools))
+            out.append(prepare(rows[i], processor, args, tools, norm_bbox))
         except ValueError as e:
             skipped.append((i, str(e)))
             print(f"[data] validation: skipped {e}")

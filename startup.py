@@ -97,7 +97,7 @@ def setup(args):
     llm, tp_group = start_vllm(args, rank, world, local_world, bf16)
     engine, ref_engine, dschf = load_models(args, cfg, dtype)
     banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)   # kept out of completions (logit_bias -inf)
-    stream, val_samples = load_data(args, processor, rank, world)
+    stream, val_samples = load_data(args, processor, rank, world, model.family(config)["norm_bbox"])
     policy = engine.module
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
@@ -239,13 +239,14 @@ def load_models(args, cfg, dtype):
     return engine, ref_engine, dschf
 
 
-def load_data(args, processor, rank, world):
-    """This rank's stream of training prompts and its share of the validation set (prepared once).
+def load_data(args, processor, rank, world, norm_bbox="none"):
+    """This rank's stream of training prompts and its share of the validation set (prepared once); `norm_bbox`: the
+    family's box convention (model.FAMILIES), which the tools' schemas say and the tools and rewards read.
     -> (data.PromptStream, the validation samples or None)."""
-    tools = toolbox.schemas(args.tools)   # the prompt shows them
+    tools = toolbox.schemas(args.tools, norm_bbox)   # the prompt shows them
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world,
-                               tools)
-    val_samples = data.validation_samples(args, processor, rank, world, tools) if args.val_data else None
+                               tools, norm_bbox)
+    val_samples = data.validation_samples(args, processor, rank, world, tools, norm_bbox) if args.val_data else None
     return stream, val_samples
 
 

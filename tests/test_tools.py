@@ -34,7 +34,9 @@ def zoom_run(arch, llm_of, *flags):
                                 lora_request=None, pad_id=processor.tokenizer.pad_token_id,
                                 sampling=startup.sampling_of(args, banned),
                                 llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
-    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools)) for r in data.read_jsonl(train_jsonl)[:4]]
+    norm = model_py.FAMILIES[arch]["norm_bbox"]   # as startup.load_data hands it: the family's box convention
+    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools, norm), norm)
+               for r in data.read_jsonl(train_jsonl)[:4]]
     return run, samples, model_dir
 
 
@@ -68,7 +70,7 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
     monkeypatch.setattr(MultiModalHasher, "serialize_item", classmethod(
         lambda cls, obj: (isinstance(obj, Image.Image) and hashed.append(obj)) or serialize(cls, obj)))
     samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args,
-                                toolbox.schemas(run.args.tools))   # one turn, no tool
+                                toolbox.schemas(run.args.tools), samples[0]["norm_bbox"])   # one turn, no tool
     bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
     sent = []
     generate = run.llm.generate
@@ -109,12 +111,39 @@ def test_tools_are_functions_whose_schema_transformers_makes():
                                                                                        "the image as you see it"}
 
 
+@pytest.mark.parametrize("family", sorted(model_py.FAMILIES))
+def test_the_crop_takes_the_box_in_the_familys_convention_and_its_schema_says_which(family):
+    """Qwen2.5-VL writes boxes in pixels of the image it was shown, Qwen3-VL and Qwen3.5 (and their mixture-of-experts
+    variants) on a 0-1000 scale (model.FAMILIES norm_bbox, ms-swift's per-family normalisation): the crop reads the
+    box in the sample's convention (data.prepare puts the family's there) and crops the same region of the original
+    either way, a box past the scale is refused saying the scale, and the schema the model sees says the units."""
+    import numpy as np
+    from PIL import Image
+    norm = model_py.FAMILIES[family]["norm_bbox"]
+    original = Image.fromarray(np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8))
+    seen = data.downscale(original, 56 ** 2, 56 ** 2, 28)   # 56 x 56: 8 original pixels a shown one
+    s = dict(images=[seen], sources=[original], pixel_bounds=(28 ** 2, 56 ** 2, 28), norm_bbox=norm)
+    box = [14, 14, 28, 28] if norm == "none" else [250, 250, 500, 500]   # the same quarter of the top-left quarter
+    parts, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}'
+                                    '</tool_call>' % tuple(box), s, ["crop"])
+    want = data.downscale(original.crop((112, 112, 224, 224)), 28 ** 2, 56 ** 2, 28)
+    assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
+    _, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 900, "y2": 900}}'
+                                '</tool_call>', s, ["crop"])
+    assert (error is None) == (norm == "norm1000")   # 900 is past a 56-pixel image, inside the 0-1000 scale
+    (schema,) = toolbox.schemas(["crop"], norm).values()
+    said = schema["function"]["parameters"]["properties"]["x1"]["description"]
+    assert said == "left edge of the region, " + toolbox.BOX_UNITS[norm] and ("1000" in said) == (norm == "norm1000")
+
+
 def sample_of(arch="qwen2_5_vl"):
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = zoom(arch)
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch])
-    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools)), processor, args
+    norm = model_py.FAMILIES[arch]["norm_bbox"]
+    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools, norm), norm), \
+        processor, args
 
 
 def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
@@ -142,9 +171,10 @@ def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(
     same sample (the first, the fourth and the fifth) runs once, and its messages share the crop."""
     s, processor, args = sample_of(arch)
     seen = s["images"][0].width
-    turns = [tiny.zoom_call(seen), '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
+    call = tiny.zoom_call(seen, s["norm_bbox"])   # in the family's box convention
+    turns = [call, '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
              '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": %d, "y2": %d}}\n</tool_call>'
-             % (seen, seen // 2), tiny.zoom_call(seen), tiny.zoom_call(seen)]
+             % (seen, seen // 2), call, call]
 
     def fresh(turn, k):
         return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[s["images"][0]] * (k == 3) * 3,
