@@ -17,6 +17,22 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
+# TRL's --loss_type (trl/trainer/grpo_config.py, GRPOConfig.loss_type) onto --loss_agg: "grpo" is each sequence's
+# mean over its tokens, averaged over sequences; "dapo" (TRL's default) the sum over tokens over the active tokens of
+# the global accumulated batch (here: every rank's tokens of the step); "dr_grpo" the sum over a constant, sequences x
+# max_completion_length. TRL's others are not aggregations of this loss, or normalise by another count:
+LOSS_TYPES = {"grpo": "sequence", "dapo": "token", "dr_grpo": "dr_grpo"}
+LOSS_TYPES_NOT_BUILT = {
+    "bnpo": "TRL's bnpo divides by the active tokens of each local (micro-)batch, so a step's loss depends on how it "
+            "is cut; --loss_type dapo (--loss_agg token) divides by the step's tokens over every rank, the same "
+            "objective when the micro-batches hold equal token counts",
+    "cispo": "CISPO (MiniMax-M1) clips the importance weight itself and weights the log-probs by it: another policy "
+             "loss, not built (grpo.grpo_loss is the place)",
+    "sapo": "SAPO replaces the clip with a soft gate: another policy loss, not built (grpo.grpo_loss is the place)",
+    "luspo": "LUSPO scales GSPO's sequence loss by its length: another policy loss, not built (grpo.grpo_loss is the "
+             "place)"}
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # --lora_target_modules
 
 
@@ -66,6 +82,7 @@ def build_parser():
     g.add_argument("--routing_replay", action="store_true", help="mixture-of-experts: rollout routing replay (R3, as in verl, ms-swift, slime, NeMo-RL): the training forward sends each token through the experts vLLM routed it to, weighted by the live router's softmax over them (the router still trains), so that a routing decision flipped between the engines' kernels no longer separates the trainer's log-probs from the sampler's (rollout/logp_diff_max); vLLM returns them on a GPU, on CPU they are caught from its routers. Not with --num_iterations > 1, --kl_in_reward or --tools")
     g.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
     g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    g.add_argument("--loss_type", default=None, choices=list(LOSS_TYPES) + list(LOSS_TYPES_NOT_BUILT), help="TRL's name for the aggregation (GRPOConfig.loss_type): grpo, dapo and dr_grpo set --loss_agg sequence, token and dr_grpo; TRL's bnpo, cispo, sapo and luspo are refused, saying how they differ (docs/flags.md)")
     g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks)")
     g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all (TRL's meanings)")
     g.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
@@ -178,6 +195,13 @@ def parse_args(argv=None):
                           **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
     args.explicit = explicit(argv)
+    if args.loss_type in LOSS_TYPES_NOT_BUILT:
+        p.error(f"--loss_type {args.loss_type}: {LOSS_TYPES_NOT_BUILT[args.loss_type]}")
+    if args.loss_type:   # TRL's name for an aggregation built here: --loss_agg follows it
+        agg = LOSS_TYPES[args.loss_type]
+        if "loss_agg" in args.explicit and args.loss_agg != agg:
+            p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
+        args.loss_agg = agg
     return args
 
 
