@@ -16,6 +16,8 @@ import sys
 import types
 
 import torch
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 import grpo
 
@@ -54,6 +56,24 @@ FAMILIES = {
                         norm_bbox="norm1000"),
 }
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # transformers 5's names of a layer's experts
+
+
+def on_disk(name):
+    """--model as a folder: a local one, or a hub id's snapshot in the local Hugging Face cache. Anything else stops
+    the launch at once, saying how to download it: transformers would try the hub, retry for about two minutes where
+    there is no network and end in its own traceback, and where there is one every rank would download it at once."""
+    if os.path.isdir(name):
+        return name
+    try:
+        return snapshot_download(name, local_files_only=True)   # no network: the cache's own lookup
+    except (HFValidationError, LocalEntryNotFoundError):
+        pass
+    if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1:
+        raise SystemExit(f"error: --model {name}: no such folder, and not a Hugging Face hub id (namespace/name)")
+    raise SystemExit(f"error: --model {name} is neither a local folder nor in the local Hugging Face cache "
+                     f"({constants.HF_HUB_CACHE}). Download it first, where there is a network: `hf download {name}` "
+                     f"(or `huggingface-cli download {name}`), then launch with the same --model, or give the folder "
+                     f"it was downloaded to (`hf download {name} --local-dir DIR`, then --model DIR)")
 
 
 def family(config):

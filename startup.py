@@ -123,6 +123,7 @@ def distributed(args):
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task {args.train_data}")
+    model.on_disk(args.model)   # in seconds, before anything waits on the hub
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:
