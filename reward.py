@@ -2,7 +2,8 @@
 
 A reward function takes the completions (list of str) and the dataset columns of each sample
 as keyword lists (`solution`, plus any extra JSONL field), and returns one float per completion
-(None counts as a failure). Adding one = writing a function and adding it to REWARDS.
+(None counts as a failure). Adding one = writing a function and adding it to REWARDS (or to the REWARDS of a
+file of your own: --plugins, docs/plugins.md).
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
 

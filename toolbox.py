@@ -1,6 +1,7 @@
 """Tools the policy may call during a rollout (`--tools crop`, several turns: train.py's rollout_groups).
 
-A tool is a plain function and one line in TOOLS, like a reward in reward.py. Its first parameter, `sample`,
+A tool is a plain function and one line in TOOLS, like a reward in reward.py (or, in a file of your own, a line of
+its TOOLS: --plugins, flags.load_plugins, docs/plugins.md). Its first parameter, `sample`,
 is the prepared sample its trajectory belongs to (data.prepare: its images, the originals they came from, its
 fields), given by the rollout; the others are what the model passes, with type hints and a Google-style
 docstring, from which transformers' get_json_schema makes the schema the chat template shows (`schemas`). It
