@@ -1,11 +1,13 @@
 """One launch's set-up, phase by phase -> the `Run` record every phase of the step takes (train.py).
 
-    setup: distributed (the output folder claimed) -> settle_flags (checks, the checkpoint picked, --memory auto)
+    setup: distributed (the output folder claimed) -> check_data (every row read, rank 0; the limits the data
+           needs) -> settle_flags (checks, the checkpoint picked, --memory auto)
            -> model_settings -> preflight (the memory plan) -> start_vllm (asleep) -> load_models (policy,
            reference, optimizer under ZeRO-3) -> load_data -> Run -> resume -> logs, preemption handler
 
 Each phase is a function of a few lines; a paper that needs another part at start-up (a second model, a judge)
-adds a phase here and a field to Run. `--plan` (print_plan) stops before anything is loaded.
+adds a phase here and a field to Run. `--plan` (print_plan) stops before anything is loaded, `--check_data`
+(check_data_alone) after the data check.
 """
 import argparse
 import atexit
@@ -84,6 +86,7 @@ def sampling_of(args, banned):
 def setup(args):
     """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
     rank, world, local_world, device = distributed(args)
+    check_data(args, rank)
     args, gas, resume_from = settle_flags(args, rank, world, local_world)
     config, bf16, aux_loss_coef = model_settings(args, rank)
     dtype = torch.float32 if not bf16 else torch.bfloat16
@@ -150,6 +153,42 @@ def distributed(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     return rank, world, ranks.local_world(world), device
+
+
+def check_data(args, rank):
+    """Before anything heavy: rank 0 reads and checks every row of --train_data and --val_data (data.check_source:
+    nothing decoded) and says what it found; every rank acts on its verdict alike: stop (no usable row), or go on
+    with the limits the data needs where the launch did not set them (data.data_limits)."""
+    if args.train_data is None:   # settle_flags says it is required
+        return
+    verdicts = [None]
+    if rank == 0:
+        verdicts = [[data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
+                                                                          (args.val_data, "--val_data")) if path]]
+        print("\n".join(line for v in verdicts[0] for line in v["lines"]), flush=True)
+    dist.broadcast_object_list(verdicts, src=0)
+    if errors := [v["error"] for v in verdicts[0] if v["error"]]:
+        sys.exit("\n".join(errors))
+    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]))
+    if rank == 0 and said:
+        print(said, flush=True)
+
+
+def check_data_alone(args):
+    """--check_data: check_data's reading of the data alone, in this process: no model, no vLLM, no ranks.
+    -> the exit code: 0 when every row is usable, 1 when some would be skipped or none is usable."""
+    if args.model is None:   # the embedded default's task (its model is built with it, once)
+        _, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)
+        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+    if args.train_data is None:
+        sys.exit("error: --check_data with --model reads --train_data: give it")
+    verdicts = [data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
+                                                                       (args.val_data, "--val_data")) if path]
+    print("\n".join(line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])))
+    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts))
+    if said:
+        print(said)
+    return 0 if all(v["usable"] == v["rows"] and not v["error"] for v in verdicts) else 1
 
 
 def settle_flags(args, rank, world, local_world):
@@ -275,6 +314,10 @@ def print_plan(args):
     if args.model is None:
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.train_data and int(os.environ.get("RANK", 0)) == 0:   # cheap (nothing decoded): the limits the data sets
+        verdict = data.check_source(args.train_data, args)
+        print("\n".join(verdict["lines"] + [verdict["error"] or "", data.data_limits(args, verdict["images"],
+                                                                                   verdict["videos"]) or ""]).rstrip())
     check_args(args, world)
     cluster = this_cluster(ranks.local_world(world), world)
     if int(os.environ.get("RANK", 0)) == 0:

@@ -621,6 +621,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plan:
         return startup.print_plan(args)
+    if args.check_data:
+        sys.exit(startup.check_data_alone(args))
     run = startup.setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
         validate(run, run.start, {})
