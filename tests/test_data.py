@@ -498,3 +498,23 @@ def test_a_train_file_with_no_usable_row_stops_the_launch_before_vllm_starts(tmp
     log = r.stdout + r.stderr
     assert r.returncode != 0 and f"error: --train_data {path} has no usable sample" in log, log[-3000:]
     assert log.count("3 x its image file is not there") == 1 and "vLLM engine started" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_check_source_reads_hf_sources_without_decoding_an_image(tmp_path, kind, monkeypatch):
+    """A parquet file or a save_to_disk folder is read a thousand rows at a time as arrow: its images stay
+    {"bytes", "path"}, never decoded (PIL's open would be called), and --columns maps them as in training."""
+    import io
+
+    import datasets
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), "green").save(buf, "PNG")
+    ds = datasets.Dataset.from_dict({"picture": [{"bytes": buf.getvalue(), "path": None}] * 3,
+                                     "question": ["Which colour?"] * 3, "answer": ["green"] * 3})
+    ds = ds.cast_column("picture", datasets.Image())
+    path = str(tmp_path / ("d.parquet" if kind == "parquet" else "d"))
+    ds.to_parquet(path) if kind == "parquet" else ds.save_to_disk(path)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("an image was decoded"))
+    v = data.check_source(path, args_for("--columns", "image=picture"))
+    assert (v["rows"], v["usable"], v["images"], v["error"]) == (3, 3, 1, None)
+    assert '"answer" as "solution" (3 rows)' in "\n".join(v["lines"])

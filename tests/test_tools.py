@@ -435,7 +435,7 @@ def test_the_docs_name_every_key_of_the_sample_and_every_column_a_reward_gets():
     comps = [train.Completion(index=0, token_ids=[1, 2], sampler_logps=[0.0, 0.0], text="red", finish_reason="stop",
                               mask=[1, 1], calls=[("call", None)])]
     fields = {k for k in row if not k.startswith("_")} - {"image", "images", "video", "videos", "tools"}
-    assert table_keys("reward columns") == set(train.reward_inputs(run, [s], comps)) - fields
+    assert table_keys("reward columns") == set(train.reward_inputs(run, [s], comps)) - fields == set(data.RUN_COLUMNS)
 
 
 @pytest.mark.launch
