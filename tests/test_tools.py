@@ -478,9 +478,14 @@ TOOLS["crop"] = crop
                        str(plugin), "--tools", "crop",
                        "quadrant", "--reward_funcs", "accuracy", "tool_use", "--max_prompt_length", "1024",
                        "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", "--rollout_batch_size", "8",
-                       "--num_generations", "4")
+                       "--num_generations", "4", "--log_completions_steps", "1")
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2] and all("reward/tool_use" in r for r in train_rows), train_rows
+    # what the policy did, without wandb: rank 0's trajectories a step, with the images it saw (logs.write_trajectories)
+    written = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert [r["step"] for r in written] == [1] * 4 + [2] * 4 and all("tool_use" in r["rewards"] for r in written)
+    assert all((tmp_path / "run" / im).is_file() for r in written for im in r["images"])
+    assert any(im.endswith("_tool.png") for r in written for im in r["images"]) and any(r["calls"] for r in written)
     assert f"[plugins] {plugin}: tool 'crop' replaces the project's own" in log
     assert set(calls.read_text().split()) == {"0", "1"} and any(r["tools/calls_mean"] > 0 for r in train_rows)
     assert any(r["reward/tool_use"] > 0 for r in train_rows)   # a trajectory whose calls all worked scores 1
