@@ -601,8 +601,9 @@ CHANGES_THE_STATE = {
 }
 # set-up decides these after the comparison, when no launch gave them: compared only where one did
 DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
-                    "offload_model"}
-NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data"}
+                    "offload_model", "limit_images", "limit_videos"}   # the limits: from the data (data.data_limits)
+NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data",
+                "check_data"}
 
 
 def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint"):

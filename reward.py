@@ -5,14 +5,15 @@ as keyword lists (`solution`, plus any extra JSONL field), and returns one value
 counts as a failure), or a list of (start, end, score) spans of the completion's characters, a score per step
 (process rewards: train.score maps each span to the token that ends it; --advantage_estimator process gives each
 token the normalised scores at or after it; any other estimator takes the spans' sum). Adding one = writing a
-function and adding it to REWARDS.
+function and adding it to REWARDS (or to the REWARDS of a file of your own: --plugins, docs/plugins.md).
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
 
     accuracy        1/0: multiple-choice letter, number, math (math-verify) or plain string match
     format          1/0: `<think>...</think><answer>...</answer>`
     iou             0..1: IoU of the answer's box with the `solution` box (optional columns
-                    `image_size`, `seen_size` rescale the solution to the image the model saw)
+                    `image_size`, `seen_size` rescale the solution to the image the model saw;
+                    `norm_bbox`, the model family's box convention, reads the answer's box)
     length_penalty  -1..0: DAPO's soft overlong punishment (columns `completion_length`,
                     `max_completion_length`, optional `overlong_buffer`)
     equation_steps  spans: each arithmetic step "a op b = c" of the completion, +1 right, -1 wrong (a process
@@ -128,6 +129,17 @@ def box_of(value):
     return nums if ok else None
 
 
+def box_in_pixels(box, norm_bbox, size):
+    """A box as the model wrote it, in its family's convention (model.FAMILIES norm_bbox: "none", pixels of the image
+    as it was shown; "norm1000", 0-1000 across its width and height), -> pixels of the shown image of `size` (w, h)."""
+    if norm_bbox in (None, "none"):
+        return box
+    if norm_bbox != "norm1000":
+        raise ValueError(f"norm_bbox {norm_bbox!r}: a box convention is none or norm1000")
+    w, h = size
+    return [box[0] * w / 1000, box[1] * h / 1000, box[2] * w / 1000, box[3] * h / 1000]
+
+
 def box_iou(a, b):
     w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
@@ -135,23 +147,26 @@ def box_iou(a, b):
     return w * h / (area(a) + area(b) - w * h)
 
 
-def iou(completions, solution, image_size=None, seen_size=None, **kwargs):
+def iou(completions, solution, image_size=None, seen_size=None, norm_bbox=None, **kwargs):
     """IoU of the answer's box with the solution box, in [0, 1]; 0.0 for a missing, unreadable
     or empty box (x2 <= x1 or y2 <= y1). The IoU itself is the reward, as in VLM-R1, not 1 above
     a 0.5 threshold: a 0.45 box still beats a 0.1 box, so a group of poor boxes still has signal.
 
-    The model answers in pixels of the image it was shown, which the processor may have
-    downscaled: with `image_size` (the original [width, height]) and `seen_size` (the shown
-    [width, height]) the solution box is scaled by seen/original first. Without them the two
-    are taken to be the same. A solution that is not a box is a data error: None (a failure)."""
+    The solution box is in pixels of the original image. The model answers in its family's convention
+    (`norm_bbox`, data.prepare's column from model.FAMILIES): Qwen2.5-VL in pixels of the image it was
+    shown, which the processor may have downscaled; Qwen3-VL and Qwen3.5 on a 0-1000 scale across it.
+    With `image_size` (the original [width, height]) and `seen_size` (the shown [width, height]) both
+    boxes are brought to the shown image's pixels first; without them the two are taken to be in the
+    same units. A solution that is not a box is a data error: None (a failure)."""
     n = len(completions)
-    image_size, seen_size = image_size or [None] * n, seen_size or [None] * n
+    image_size, seen_size, norm_bbox = image_size or [None] * n, seen_size or [None] * n, norm_bbox or [None] * n
     out = []
-    for c, s, orig, seen in zip(completions, solution, image_size, seen_size):
+    for c, s, orig, seen, norm in zip(completions, solution, image_size, seen_size, norm_bbox):
         gold, mine = box_of(s), box_of(extract_answer(c))
         if gold is not None and orig and seen:
             sx, sy = seen[0] / orig[0], seen[1] / orig[1]
             gold = [gold[0] * sx, gold[1] * sy, gold[2] * sx, gold[3] * sy]
+            mine = mine and box_in_pixels(mine, norm, seen)
         out.append(None if gold is None else box_iou(gold, mine) if mine else 0.0)
     return out
 
@@ -220,8 +235,9 @@ def compute_rewards(names, weights, completions, columns, spans=None):
             values = list(REWARDS[name](completions, **columns)) if completions else []
             if len(values) != len(completions):
                 raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave them unscored
-            print(f"[reward] {name} raised {type(e).__name__}: {e}; this batch's completions are unscored by it")
+        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave the batch out
+            print(f"[reward] {name} raised {type(e).__name__}: {e}; this batch's completions count as its failures "
+                  f"(left out of their groups' statistics and of the loss)")
             values = [None] * len(completions)
         steps = [spans_of(v, c) if isinstance(v, (list, tuple)) else None for v, c in zip(values, completions)]
         values = [sum(s for _, _, s in st) if st is not None else None if isinstance(v, (list, tuple)) else v

@@ -1,11 +1,13 @@
 """One launch's set-up, phase by phase -> the `Run` record every phase of the step takes (train.py).
 
-    setup: distributed (the output folder claimed) -> settle_flags (checks, the checkpoint picked, --memory auto)
+    setup: distributed (the output folder claimed) -> check_data (every row read, rank 0; the limits the data
+           needs) -> settle_flags (checks, the checkpoint picked, --memory auto)
            -> model_settings -> preflight (the memory plan) -> start_vllm (asleep) -> load_models (policy,
            reference, optimizer under ZeRO-3) -> load_data -> Run -> resume -> logs, preemption handler
 
 Each phase is a function of a few lines; a paper that needs another part at start-up (a second model, a judge)
-adds a phase here and a field to Run. `--plan` (print_plan) stops before anything is loaded.
+adds a phase here and a field to Run. `--plan` (print_plan) stops before anything is loaded, `--check_data`
+(check_data_alone) after the data check.
 """
 import argparse
 import atexit
@@ -91,6 +93,7 @@ def sampling_of(args, banned):
 def setup(args):
     """Distributed init, preflight, model + reference under ZeRO-3, vLLM, data, resume, wandb -> Run."""
     rank, world, local_world, device = distributed(args)
+    check_data(args, rank)
     args, gas, resume_from = settle_flags(args, rank, world, local_world)
     config, bf16, aux_loss_coef = model_settings(args, rank)
     dtype = torch.float32 if not bf16 else torch.bfloat16
@@ -104,7 +107,7 @@ def setup(args):
     llm, tp_group = start_vllm(args, rank, world, local_world, bf16)
     engine, ref_engine, dschf = load_models(args, cfg, dtype)
     banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)   # kept out of completions (logit_bias -inf)
-    stream, val_samples = load_data(args, processor, rank, world)
+    stream, val_samples = load_data(args, processor, rank, world, model.family(config)["norm_bbox"])
     policy = engine.module
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
@@ -131,6 +134,7 @@ def distributed(args):
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task {args.train_data}")
+    model.on_disk(args.model)   # in seconds, before anything waits on the hub
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:
@@ -157,6 +161,42 @@ def distributed(args):
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     return rank, world, ranks.local_world(world), device
+
+
+def check_data(args, rank):
+    """Before anything heavy: rank 0 reads and checks every row of --train_data and --val_data (data.check_source:
+    nothing decoded) and says what it found; every rank acts on its verdict alike: stop (no usable row), or go on
+    with the limits the data needs where the launch did not set them (data.data_limits)."""
+    if args.train_data is None:   # settle_flags says it is required
+        return
+    verdicts = [None]
+    if rank == 0:
+        verdicts = [[data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
+                                                                          (args.val_data, "--val_data")) if path]]
+        print("\n".join(line for v in verdicts[0] for line in v["lines"]), flush=True)
+    dist.broadcast_object_list(verdicts, src=0)
+    if errors := [v["error"] for v in verdicts[0] if v["error"]]:
+        sys.exit("\n".join(errors))
+    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]))
+    if rank == 0 and said:
+        print(said, flush=True)
+
+
+def check_data_alone(args):
+    """--check_data: check_data's reading of the data alone, in this process: no model, no vLLM, no ranks.
+    -> the exit code: 0 when every row is usable, 1 when some would be skipped or none is usable."""
+    if args.model is None:   # the embedded default's task (its model is built with it, once)
+        _, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)
+        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+    if args.train_data is None:
+        sys.exit("error: --check_data with --model reads --train_data: give it")
+    verdicts = [data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
+                                                                       (args.val_data, "--val_data")) if path]
+    print("\n".join(line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])))
+    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts))
+    if said:
+        print(said)
+    return 0 if all(v["usable"] == v["rows"] and not v["error"] for v in verdicts) else 1
 
 
 def settle_flags(args, rank, world, local_world):
@@ -255,13 +295,14 @@ def fp32_masters(ref_engine, args):
     return [p.ds_tensor.detach().float().clone() for p in ref_engine.module.parameters()]
 
 
-def load_data(args, processor, rank, world):
-    """This rank's stream of training prompts and its share of the validation set (prepared once).
+def load_data(args, processor, rank, world, norm_bbox="none"):
+    """This rank's stream of training prompts and its share of the validation set (prepared once); `norm_bbox`: the
+    family's box convention (model.FAMILIES), which the tools' schemas say and the tools and rewards read.
     -> (data.PromptStream, the validation samples or None)."""
-    tools = toolbox.schemas(args.tools)   # the prompt shows them
+    tools = toolbox.schemas(args.tools, norm_bbox)   # the prompt shows them
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world,
-                               tools)
-    val_samples = data.validation_samples(args, processor, rank, world, tools) if args.val_data else None
+                               tools, norm_bbox)
+    val_samples = data.validation_samples(args, processor, rank, world, tools, norm_bbox) if args.val_data else None
     return stream, val_samples
 
 
@@ -289,6 +330,10 @@ def print_plan(args):
     if args.model is None:
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)[0]
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.train_data and int(os.environ.get("RANK", 0)) == 0:   # cheap (nothing decoded): the limits the data sets
+        verdict = data.check_source(args.train_data, args)
+        print("\n".join(verdict["lines"] + [verdict["error"] or "", data.data_limits(args, verdict["images"],
+                                                                                   verdict["videos"]) or ""]).rstrip())
     check_args(args, world)
     cluster = this_cluster(ranks.local_world(world), world)
     if int(os.environ.get("RANK", 0)) == 0:

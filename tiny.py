@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 
@@ -30,7 +31,7 @@ import data
 import model as model_py
 import toolbox
 
-VERSION = "v7"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v8-boxes"  # bump when anything below changes, so cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -274,6 +275,19 @@ GROUNDING_SIZE = 28   # one image token: 2x2 patches of 14 merged, concatenated 
 GROUNDING_WORDS = [str(n) for n in range(10, SIZE + 1)] + ["red", "box"]   # the grounding model's extra words
 
 
+def norm1000(box, width, height):
+    """A box in pixels of a `width` x `height` image -> on the 0-1000 scale of the families whose model.FAMILIES
+    norm_bbox is "norm1000" (Qwen3-VL, Qwen3.5), whole numbers, as those models write them."""
+    return [round(v * 1000 / (width, height)[i % 2]) for i, v in enumerate(box)]
+
+
+def grounding_words(arch):
+    """The grounding model's extra words: its family writes boxes in pixels of the 28 px image, or on the 0-1000
+    scale (each pixel edge's number)."""
+    scaled = [str(n) for n in sorted({norm1000([v, v], GROUNDING_SIZE, GROUNDING_SIZE)[0] for v in range(GROUNDING_SIZE + 1)})]
+    return GROUNDING_WORDS + (scaled if model_py.FAMILIES[arch]["norm_bbox"] == "norm1000" else [])
+
+
 def random_box(rng, shift=0):
     """The red square's box [x1, y1, x2, y2]: a 10-pixel square 2 pixels into one of the four 14x14
     patches of a 28x28 image (with `shift`, 0 to `shift` pixels into it). One image token holds the
@@ -350,10 +364,13 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     rng, _ = random.Random(seed), torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompt, n_prompt = box_prompt(proc)
+    scaled = model_py.family(model.config)["norm_bbox"] == "norm1000"   # the family's own boxes: 0-1000, or pixels
     for _ in range(steps):
         picks = rng.sample(rows, batch)
         images = [Image.open(os.path.join(task_dir, r["image"])).convert("RGB") for r in picks]
-        supervised_step(model, proc, opt, prompt, n_prompt, images, [box_text(random_box(rng)) for _ in picks])
+        boxes = [random_box(rng) for _ in picks]
+        supervised_step(model, proc, opt, prompt, n_prompt, images,
+                        [box_text(norm1000(b, GROUNDING_SIZE, GROUNDING_SIZE) if scaled else b) for b in boxes])
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
@@ -385,11 +402,22 @@ def zoom_image(colour):
     return img
 
 
-def zoom_call(seen):
+def zoom_call(seen, norm_bbox="none"):
     """The tool call that crops the centre pixel of a `seen`-pixel image (the square is there; 8 original pixels,
-    upscaled to one image token): its text, as the model writes it."""
+    upscaled to one image token): its text, as the model writes it, in its family's box convention (norm_bbox,
+    model.FAMILIES: pixels, or 0-1000)."""
     a, b = seen // 2 - 1, seen // 2
+    if norm_bbox == "norm1000":
+        a, b = norm1000([a, b], seen, seen)
     return '<tool_call>\n{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}\n</tool_call>' % (a, a, b, b)
+
+
+def zoom_words(arch):
+    """The zoom model's extra words: its family's crop call writes the centre pixel of the 2 x 2-token image it is
+    shown (flags.parse_args' bounds) in pixels (10-99 hold them) or on the 0-1000 scale (two more numbers)."""
+    seen = 4 * PATCH[arch]
+    numbers = re.findall(r"\d+", zoom_call(seen, model_py.FAMILIES[arch]["norm_bbox"]).split("arguments")[1])
+    return ZOOM_WORDS + sorted(set(numbers) - set(ZOOM_WORDS))
 
 
 def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0):
@@ -420,16 +448,17 @@ def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
     lo, hi = grid ** 2, (2 * grid) ** 2   # the task's default bounds (flags.parse_args): 4 tokens an image
     rng, _ = random.Random(seed), torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norm = model_py.family(model.config)["norm_bbox"]   # its family's boxes: pixels, or 0-1000
     prompt = data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ZOOM_QUESTION}]}],
-                         list(toolbox.schemas(["crop"]).values()))
+                         list(toolbox.schemas(["crop"], norm).values()))
     tok = proc.tokenizer
     for step in range(steps):
         colour = rng.choice(sorted(ZOOM_COLOURS))
         seen = data.downscale(zoom_image(colour), lo, hi, grid)
         segments = [(proc(text=[prompt], images=[seen], return_tensors="pt"), False)]   # (inputs, trained)
         if step % 5:   # four in five: a call
-            sample = dict(images=[seen], sources=[zoom_image(colour)], pixel_bounds=(lo, hi, grid))
-            call = zoom_call(seen.width)
+            sample = dict(images=[seen], sources=[zoom_image(colour)], pixel_bounds=(lo, hi, grid), norm_bbox=norm)
+            call = zoom_call(seen.width, norm)
             parts, error = toolbox.run_call(call, sample, ["crop"])
             assert error is None, error
             segments += [(tok(call, return_tensors="pt"), True),
@@ -509,11 +538,11 @@ def build(tmp, task, size, arch):
         build_model(os.path.join(tmp, "model"), extra_words=MOTION_WORDS, size=size, arch=arch)
         build_motion_task(os.path.join(tmp, "task"))
     elif task == "zoom":
-        build_model(os.path.join(tmp, "model"), extra_words=ZOOM_WORDS, size=size, arch=arch, tools=True)
+        build_model(os.path.join(tmp, "model"), extra_words=zoom_words(arch), size=size, arch=arch, tools=True)
         build_zoom_task(os.path.join(tmp, "task"))
         teach_zoom_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
     else:
-        build_model(os.path.join(tmp, "model"), extra_words=GROUNDING_WORDS, size=size, arch=arch)
+        build_model(os.path.join(tmp, "model"), extra_words=grounding_words(arch), size=size, arch=arch)
         build_grounding_task(os.path.join(tmp, "task"))
         teach_box_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
 

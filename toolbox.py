@@ -1,6 +1,7 @@
 """Tools the policy may call during a rollout (`--tools crop`, several turns: train.py's rollout_groups).
 
-A tool is a plain function and one line in TOOLS, like a reward in reward.py. Its first parameter, `sample`,
+A tool is a plain function and one line in TOOLS, like a reward in reward.py (or, in a file of your own, a line of
+its TOOLS: --plugins, flags.load_plugins, docs/plugins.md). Its first parameter, `sample`,
 is the prepared sample its trajectory belongs to (data.prepare: its images, the originals they came from, its
 fields), given by the rollout; the others are what the model passes, with type hints and a Google-style
 docstring, from which transformers' get_json_schema makes the schema the chat template shows (`schemas`). It
@@ -25,6 +26,7 @@ import re
 import torch
 
 import data
+import reward
 
 TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left to finish
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -43,6 +45,12 @@ def _opened(source):
     return data.open_image(source)
 
 
+# A box's units as a tool's schema tells the model, by its family's convention (model.FAMILIES norm_bbox): schemas()
+# puts the second phrase where a docstring says the first.
+BOX_UNITS = {"none": "in pixels of the image as you see it",
+             "norm1000": "from 0 to 1000 across the image as you see it"}
+
+
 def crop(sample, x1: int, y1: int, x2: int, y2: int):
     """Zoom in: crop a region of the image and see it at a higher resolution.
 
@@ -54,13 +62,17 @@ def crop(sample, x1: int, y1: int, x2: int, y2: int):
     """
     if not sample["images"]:
         raise ValueError("this question has no image to crop")
-    seen = sample["images"][0]
-    if not (0 <= x1 < x2 <= seen.width and 0 <= y1 < y2 <= seen.height):
-        raise ValueError(f"the box ({x1}, {y1}, {x2}, {y2}) is not inside the image, which is {seen.width} x "
-                         f"{seen.height} pixels, with x1 < x2 and y1 < y2")
+    seen, norm = sample["images"][0], sample.get("norm_bbox", "none")   # the box in the family's convention
+    w, h = (seen.width, seen.height) if norm == "none" else (1000, 1000)
+    if not (0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h):
+        raise ValueError(f"the box ({x1}, {y1}, {x2}, {y2}) is not inside the image, which is "
+                         + (f"{w} x {h} pixels" if norm == "none" else "0 to 1000 across and down")
+                         + ", with x1 < x2 and y1 < y2")
+    box = reward.box_in_pixels([x1, y1, x2, y2], norm, seen.size)
     original = opened(sample["sources"][0])   # before the downscale: the detail is still there
     sx, sy = original.width / seen.width, original.height / seen.height
-    region = original.crop((round(x1 * sx), round(y1 * sy), round(x2 * sx), round(y2 * sy)))
+    left, top = round(box[0] * sx), round(box[1] * sy)   # at least one original pixel, however small the box
+    region = original.crop((left, top, max(round(box[2] * sx), left + 1), max(round(box[3] * sy), top + 1)))
     return data.downscale(region, *sample["pixel_bounds"])   # the same path as every image: vLLM and training see it
 
 
@@ -79,9 +91,10 @@ def response(processor, parts):
     return text[text.index(MARK) + len(MARK):]
 
 
-def schemas(names):
+def schemas(names, norm_bbox="none"):
     """{name: JSON schema} of the named tools as the chat template takes them (`tools=`; data.prepare shows them):
-    transformers' get_json_schema of each function as the model calls it, its first parameter (`sample`) left out."""
+    transformers' get_json_schema of each function as the model calls it, its first parameter (`sample`) left out.
+    `norm_bbox`: the model family's box convention (model.FAMILIES); a docstring's BOX_UNITS["none"] says it."""
     from transformers.utils import get_json_schema
     out = {}
     for name in names:
@@ -93,7 +106,7 @@ def schemas(names):
         visible.__name__, visible.__doc__ = fn.__name__, fn.__doc__
         visible.__signature__ = inspect.Signature(params)
         visible.__annotations__ = {p.name: p.annotation for p in params}
-        out[name] = get_json_schema(visible)
+        out[name] = json.loads(json.dumps(get_json_schema(visible)).replace(BOX_UNITS["none"], BOX_UNITS[norm_bbox]))
     return out
 
 

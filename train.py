@@ -218,8 +218,8 @@ def select_prompts(run, step):
 def reward_inputs(run, samples, comps):
     """The columns a reward function reads, {field: [value per completion]}, in training (score) and validation
     alike: the samples' own fields, each completion's length in tokens (the model's own) and the limit; with
-    --tools also the whole trajectory's text (`trajectory`), its calls (`tool_calls`) and failed calls
-    (`tool_failures`)."""
+    --tools also the whole trajectory's text (`trajectory`), the number of its calls (`tool_calls`) and of its
+    failed calls (`tool_failures`)."""
     cols = data.reward_columns(samples)
     cols.update(completion_length=[c.length for c in comps], max_completion_length=[run.args.max_completion_length] * len(comps))
     if run.args.tools:
@@ -521,6 +521,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plan:
         return startup.print_plan(args)
+    if args.check_data:
+        sys.exit(startup.check_data_alone(args))
     run = startup.setup(args)
     if run.val_samples is not None and (args.val_only or args.val_before_train and run.start == 0):
         validate(run, run.start, {})

@@ -289,7 +289,7 @@ def stream_of(path, rank=0, world=1, took=0, monkeypatch=None):
     import data
     stream = data.PromptStream(data.Rows(str(path)), None, flags.parse_args([]), rank, world)
     if took:
-        monkeypatch.setattr(data, "prepare", lambda r, processor, args, tools=None: {"id": r["_id"], "empty_image": False})
+        monkeypatch.setattr(data, "prepare", lambda r, processor, args, *rest: {"id": r["_id"], "empty_image": False})
         stream.history.update((s["id"], [1.0]) for s in stream.next(took))
     return stream
 

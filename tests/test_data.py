@@ -2,6 +2,7 @@
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -296,7 +297,7 @@ def test_an_all_bad_validation_file_stops_the_run_at_start(tmp_path):
 # ----------------------------------------------------------------------------- issue 32, items 4 and 5: the data position
 def taking(monkeypatch):
     """PromptStream.next without images or a processor: a prepared sample is its row's id."""
-    monkeypatch.setattr(data, "prepare", lambda r, processor, args, tools=None: {"id": r["_id"], "empty_image": False})
+    monkeypatch.setattr(data, "prepare", lambda r, processor, args, *rest: {"id": r["_id"], "empty_image": False})
 
 
 def take(stream, k):
@@ -380,3 +381,141 @@ def test_a_history_saved_by_row_number_is_read_by_sample_id(tmp_path):
     saved = stream.state()
     stream.load(saved)
     assert stream.history == {rows[0]["_id"]: [1.0], rows[2]["_id"]: [0.5]} and saved["history_by"] == "sample_id"
+
+
+# ----------------------------------------------------------------------------- issue 43, point 5: the data read first
+def test_the_peers_field_names_are_read_as_ours(tmp_path, processor):
+    """EasyR1's "problem" with its "<image>" placeholder and "answer", TRL's and EasyR1's string "prompt", and the
+    "img" / "image_path" of LLaVA-style data are read as question, solution and image (an image under them trained
+    text-only before, and a missing solution scored nothing); our own fields win where both are given."""
+    path = write_task(tmp_path, [
+        {"img": "ok.png", "problem": "<image>What colour is the shape?", "answer": "red"},
+        {"image_path": "ok.png", "prompt": "What colour?", "answer": "red"},
+        {"image": "ok.png", "img": "other.png", "question": "Q", "solution": "blue", "answer": "red"},
+        {"prompt": [{"role": "user", "content": "hi"}], "solution": "x"}])
+    rows = data.Rows(str(path))
+    first = data.prepare(rows[0], processor, args_for())
+    assert first["images"] and first["columns"]["solution"] == "red" and first["columns"]["answer"] == "red"
+    assert rows[0]["question"] == "What colour is the shape?" and "<image>" not in processor.tokenizer.decode(first["vllm_ids"])
+    assert rows[1]["image"] == "ok.png" and rows[1]["question"] == "What colour?" and rows[1]["solution"] == "red"
+    assert (rows[2]["image"], rows[2]["question"], rows[2]["solution"]) == ("ok.png", "Q", "blue")
+    assert "question" not in rows[3]   # a list of messages is no question of ours
+
+
+def test_check_source_reads_every_row_and_says_each_reason_once_with_its_count(tmp_path):
+    """Every row is read before anything heavy, nothing decoded: a repeated reason is said once with its count and
+    its first rows, the peers' names read as ours and the fields nothing reads are named, the fields a chosen reward
+    needs too; the most images and videos a usable row holds are the data's limits; no usable row is an error."""
+    rows = [{"img": "ok.png", "question": "q", "solution": "red", "difficulty": 3}] * 3 + \
+        [row("gone.png")] * 101 + [{"image": ["ok.png", "ok.png"], "question": "q"}]
+    path = write_task(tmp_path, rows)
+    v = data.check_source(str(path), args_for())
+    text = "\n".join(v["lines"])
+    assert (v["rows"], v["usable"], v["images"], v["videos"], v["error"]) == (105, 3, 1, 0, None), text
+    assert "105 rows read and checked" in text and text.count("gone.png") == 3   # its first three rows, once
+    assert "101 x its image file is not there" in text and f"{path}:4 ({tmp_path}/gone.png)" in text
+    assert "1 x no field 'solution', which --reward_funcs accuracy needs" in text
+    assert '"img" as "image" (3 rows)' in text and '"difficulty" (3 rows)' in text
+    v = data.check_source(str(path), args_for("--reward_funcs", "format"))   # format needs no solution
+    assert (v["usable"], v["images"]) == (4, 2)
+    v = data.check_source(str(write_task(tmp_path, [row("gone.png")] * 2)), args_for(), "--val_data")
+    assert v["error"].startswith("error: --val_data") and "all 2 of its samples were skipped" in v["error"]
+
+
+def test_the_limits_follow_from_the_data_unless_the_launch_set_them():
+    """--limit_images and --limit_videos default to what the data holds (a JSONL of videos no longer needs
+    --limit_videos 1), plus with --tools an image a turn after a call; a limit given on the command line stays."""
+    args = args_for("--model", "M", "--train_data", "t.jsonl")
+    said = data.data_limits(args, 2, 1)
+    assert (args.limit_images, args.limit_videos) == (2, 1) and "--limit_images 2" in said and "--limit_videos 1" in said
+    args = args_for("--model", "M", "--tools", "crop", "--max_turns", "3")
+    data.data_limits(args, 1, 0)
+    assert (args.limit_images, args.limit_videos) == (3, 0)
+    args = args_for("--model", "M", "--limit_images", "1", "--limit_videos", "0")
+    assert data.data_limits(args, 2, 1) is None and (args.limit_images, args.limit_videos) == (1, 0)
+
+
+def test_a_repeated_skip_is_said_once(tmp_path, processor, capsys):
+    """One bad row among few is met again every epoch: it was printed each time (101 identical lines before the
+    run stopped); now once, and counted in data/skipped."""
+    path = write_task(tmp_path, [row("ok.png"), row("gone.png")])
+    stream = data.PromptStream(data.read_jsonl(str(path)), processor, args_for(), rank=0, world=1)
+    stream.next(20)
+    out = capsys.readouterr().out
+    assert stream.skipped >= 10 and out.count("rank 0: skipped") == 1 and "gone.png" in out and "said once" in out
+
+
+def test_the_data_check_phase_sets_the_limits_on_every_rank_or_stops_them(tmp_path, world1):
+    """startup.check_data, before vLLM starts and the model loads: rank 0 reads the data and every rank takes its
+    verdict (a broadcast): the data's limits, or the stop naming the file."""
+    import startup
+    Image.new("RGB", (56, 56)).save(tmp_path / "a.png")
+    path = write_task(tmp_path, [{"image": ["a.png", "a.png"], "question": "q", "solution": "s"}])
+    args = args_for("--model", "M", "--train_data", str(path))
+    startup.check_data(args, 0)
+    assert args.limit_images == 2
+    bad = write_task(tmp_path / "..", [row("gone.png")])
+    with pytest.raises(SystemExit, match=f"--train_data {bad} has no usable sample"):
+        startup.check_data(args_for("--model", "M", "--train_data", str(bad)), 0)
+
+
+def test_check_data_alone_names_an_img_key_without_loading_a_model(tmp_path):
+    """`train.py --check_data` on a file whose images are under "img": seconds, no model (a --model that does not
+    exist), no vLLM; it names "img" as read for "image", the limits, and exits 0 when every row is usable."""
+    import time
+    Image.new("RGB", (56, 56)).save(tmp_path / "a.png")
+    path = write_task(tmp_path, [{"img": "a.png", "question": "q", "solution": "s"}] * 3)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "train.py", "--check_data", "--model", "nobody/not-on-disk", "--train_data",
+                        str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"img" as "image" (3 rows)' in r.stdout and "3 rows read and checked" in r.stdout
+    assert "[data] from the data: --limit_images 1" in r.stdout and "vLLM" not in r.stdout + r.stderr
+    print(f"--check_data: {time.time() - t0:.1f} s, imports included")
+
+
+def test_plan_reads_the_data_for_its_limits(tmp_path, capsys):
+    """`train.py --plan` reads --train_data where cheap (nothing decoded): a JSONL of two videos a row is planned
+    with --limit_videos 2, said."""
+    import startup
+    path = write_task(tmp_path, [{"video": ["a.mp4", "b.mp4"], "question": "q", "solution": "s"}])
+    for name in ("a.mp4", "b.mp4"):
+        (tmp_path / name).write_bytes(b"not decoded by the check")
+    args = args_for("--plan", "--tiny_task", "motion", "--train_data", str(path))
+    startup.print_plan(args)
+    out = capsys.readouterr().out
+    assert "--limit_videos 2 (the most videos in a row)" in out and args.limit_videos == 2 and "[plan]" in out
+
+
+@pytest.mark.launch
+def test_a_train_file_with_no_usable_row_stops_the_launch_before_vllm_starts(tmp_path):
+    """Two ranks under the launcher, a --train_data whose every row names a missing image: rank 0's check says the
+    reason once with its count, every rank stops on its verdict, and no vLLM engine starts (the data was read after
+    vLLM had started and the model had loaded, before)."""
+    from conftest import FAST, command
+    path = write_task(tmp_path, [row("gone.png")] * 3)
+    cmd, env = command(tmp_path / "out", [*FAST, "--train_data", str(path)], procs=2)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and f"error: --train_data {path} has no usable sample" in log, log[-3000:]
+    assert log.count("3 x its image file is not there") == 1 and "vLLM engine started" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_check_source_reads_hf_sources_without_decoding_an_image(tmp_path, kind, monkeypatch):
+    """A parquet file or a save_to_disk folder is read a thousand rows at a time as arrow: its images stay
+    {"bytes", "path"}, never decoded (PIL's open would be called), and --columns maps them as in training."""
+    import io
+
+    import datasets
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), "green").save(buf, "PNG")
+    ds = datasets.Dataset.from_dict({"picture": [{"bytes": buf.getvalue(), "path": None}] * 3,
+                                     "question": ["Which colour?"] * 3, "answer": ["green"] * 3})
+    ds = ds.cast_column("picture", datasets.Image())
+    path = str(tmp_path / ("d.parquet" if kind == "parquet" else "d"))
+    ds.to_parquet(path) if kind == "parquet" else ds.save_to_disk(path)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("an image was decoded"))
+    v = data.check_source(path, args_for("--columns", "image=picture"))
+    assert (v["rows"], v["usable"], v["images"], v["error"]) == (3, 3, 1, None)
+    assert '"answer" as "solution" (3 rows)' in "\n".join(v["lines"])

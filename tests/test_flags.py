@@ -87,3 +87,34 @@ def test_the_check_catches_a_drifted_default():
     defaults = vars(p.parse_args(["--model", "MODEL"]))
     row = next(r for r in readme_rows() if "--num_generations" in r[0])
     assert split_top(row[1])[0] != str(defaults["num_generations"])
+
+
+def test_the_flag_groups_and_the_model_help_say_what_they_hold():
+    """--memory, --skip_memory_preflight and --plan are the memory plan's, not "LoRA and frozen parts"; --model's help
+    names the mixture-of-experts families beside the dense ones (model.FAMILIES)."""
+    import model
+    groups = {a.dest: g.title for g in flags.build_parser()._action_groups for a in g._group_actions}
+    assert {groups[f] for f in ("memory", "skip_memory_preflight", "plan")} == {"the memory plan"}
+    helps = {a.dest: a.help for a in flags.build_parser()._actions}
+    assert set(model.FAMILIES) == {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"}
+    assert all(name in helps["model"] for name in ("Qwen2.5-VL", "Qwen3-VL", "Qwen3.5", "Qwen3-VL-MoE", "Qwen3.5-MoE"))
+
+
+@pytest.mark.parametrize("loss_type,loss_agg", [("grpo", "sequence"), ("dapo", "token"), ("dr_grpo", "dr_grpo")])
+def test_trls_loss_type_names_set_the_aggregation(loss_type, loss_agg):
+    """TRL's --loss_type (GRPOConfig.loss_type) is taken: grpo, dapo and dr_grpo set --loss_agg; a --loss_agg that
+    says otherwise is refused by name."""
+    args = flags.parse_args(["--model", "M", "--loss_type", loss_type])
+    assert args.loss_agg == loss_agg and args.loss_type == loss_type
+    assert flags.parse_args(["--model", "M", "--loss_type", loss_type, "--loss_agg", loss_agg]).loss_agg == loss_agg
+    other = next(a for a in ("token", "sequence") if a != loss_agg)
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--model", "M", "--loss_type", loss_type, "--loss_agg", other])
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "cispo", "sapo", "luspo"])
+def test_trls_other_loss_types_are_refused_saying_how_they_differ(loss_type, capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--model", "M", "--loss_type", loss_type])
+    err = capsys.readouterr().err
+    assert f"--loss_type {loss_type}: " in err and ("micro-batch" in err if loss_type == "bnpo" else "not built" in err)

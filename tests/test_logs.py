@@ -78,3 +78,47 @@ def test_a_failed_online_start_goes_offline_and_says_so(tmp_path, wandb_env, cap
     run_id = open(tmp_path / "wandb_run_id").read().strip()
     history = wandb_history(tmp_path)   # the failed online attempt left no offline run of its own
     assert run.wandb.id == run_id and list(history) == [run_id] and "reward/mean" in history[run_id][1]
+
+
+def test_a_few_trajectories_and_the_images_the_model_saw_go_to_the_run_folder(tmp_path, tiny_default):
+    """Every --log_completions_steps, without wandb: the first completion of rank 0's first --log_completions groups
+    in output_dir/completions.jsonl (the prompt, the answer, with --tools the trajectory and each call, the rewards),
+    and for --tools and video runs the images the model saw as PNG: the prompt's, each video's frames side by side,
+    the tools'. A resume trims the rows after its checkpoint, as metrics.jsonl's."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tiny_default[0])
+    args = train.parse_args(["--output_dir", str(tmp_path), "--tools", "crop", "--max_turns", "2",
+                             "--log_completions_steps", "5", "--log_completions", "2"])
+    run = types.SimpleNamespace(args=args, master=True, processor=processor, start=0)
+    shown, crop = Image.new("RGB", (56, 56), (200, 0, 0)), Image.new("RGB", (28, 28), (0, 0, 200))
+    frames = np.zeros((4, 28, 28, 3), dtype=np.uint8)
+    frames[2] = 255
+    ids = processor.tokenizer("what colour", add_special_tokens=False)["input_ids"]
+    groups = [train.Group(sample=dict(images=[shown], videos=[(frames, {})] if k == 0 else [], vllm_ids=ids,
+                                      where=f"t.jsonl:{k + 1}", id=k),
+                          completions=[train.Completion(index=0, token_ids=ids, sampler_logps=[0.0] * len(ids), text="red",
+                                                        finish_reason="stop", calls=[("<tool_call>...", None)], images=[crop],
+                                                        rewards={"accuracy": 1.0}, total=1.0, advantage=0.5)])
+              for k in range(3)]
+    logs.log_completions(run, groups, step=4)   # not a logging step
+    assert not (tmp_path / "completions.jsonl").exists()
+    logs.log_completions(run, groups, step=5)
+    rows = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert [r["where"] for r in rows] == ["t.jsonl:1", "t.jsonl:2"] and rows[0]["prompt"] == "what colour"
+    assert rows[0]["completion"] == "red" and rows[0]["calls"] == [{"call": "<tool_call>...", "error": None}]
+    assert rows[0]["rewards"] == {"accuracy": 1.0} and rows[0]["advantage"] == 0.5 and rows[0]["trajectory"] == "what colour"
+    assert rows[0]["images"] == ["completions/step_5/0_0_prompt.png", "completions/step_5/0_1_video.png",
+                                 "completions/step_5/0_2_tool.png"] and len(rows[1]["images"]) == 2
+    assert Image.open(tmp_path / rows[0]["images"][0]).getpixel((0, 0)) == (200, 0, 0)
+    sheet = Image.open(tmp_path / rows[0]["images"][1])
+    assert sheet.size == (4 * 28, 28) and sheet.getpixel((2 * 28, 0)) == (255, 255, 255) and sheet.getpixel((0, 0)) == (0, 0, 0)
+    assert Image.open(tmp_path / rows[0]["images"][2]).getpixel((0, 0)) == (0, 0, 200)
+    logs.log_completions(run, groups, step=10)
+    run.wandb, run.wandb_failed, run.start = None, False, 5
+    logs.open_logs(run, resumed=True)   # resumed from step 5: step 10 is trained and written again
+    assert {json.loads(line)["step"] for line in open(tmp_path / "completions.jsonl")} == {5}
+    run.wandb.finish()

@@ -147,6 +147,34 @@ def test_memory_py_plan_and_train_py_plan():
     assert r.returncode == 0 and "[plan]" in r.stdout and "verdict" in r.stdout, (r.stdout + r.stderr)[-2000:]
 
 
+def test_memory_py_plan_help_lists_the_cluster_flags_and_says_where_it_wrote(tmp_path, capsys):
+    """`memory.py plan --help` shows the cluster's flags beside train.py's (its own parser has no help: the rest goes
+    to train.py's); --json and --png say where they wrote; a measured host size prints as 20.3 GB, not 20.2576."""
+    with pytest.raises(SystemExit) as done:
+        planner.parse(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and all(f in out for f in ("--gpus_per_node", "--nodes", "--gpu_gb", "--host_gb", "--png",
+                                                            "--json", "--cpu", "--num_generations"))
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    planner.main(["--model", "7b", "--gpus_per_node", "8", "--host_gb", "20.2576", "--png", str(png), "--json", str(js)])
+    out = capsys.readouterr().out
+    assert png.exists() and js.exists() and f"[plan] drawn: {png}" in out and f"[plan] written: {js}" in out
+    assert "20.3 GB host RAM per node" in out and "20.2576" not in out
+    assert [planner.gb(x) for x in (1024.0, 79.1, 20.2576, 80)] == ["1024", "79.1", "20.3", "80"]
+
+
+def test_docs_memory_md_says_the_planners_own_numbers_and_names_every_builtin():
+    """docs/memory.md's CUDA context is planner.py's (GPU_RESIDUAL on the GPU, CUDA_CONTEXT_GB of host RAM), and its
+    list of built-in shapes names every size of planner.BUILTIN, the mixture-of-experts ones included."""
+    text = " ".join(open(os.path.join(ROOT, "docs", "memory.md")).read().split())
+    assert f"the CUDA context ({planner.GPU_RESIDUAL['context_gb']:g} GB of the GPU" in text
+    assert f"a {planner.CUDA_CONTEXT_GB:g} GB guess of host RAM per rank" in text
+    listed = text[text.index("Shapes come from a model dir or the built-in configs"):][:600]
+    sizes = {re.sub(r"^qwen[\d.]+(-vl)?-", "", name).upper() for name in planner.BUILTIN}   # 7B, 30B-A3B, 0.8B, ...
+    missing = [size for size in sizes if not re.search(rf"[ /]{re.escape(size)}[/ ,;)]", listed)]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3.5-9B", "qwen3.5-27b", "qwen3-vl-2b"])
 def test_memory_py_plan_knows_each_family(name, capsys):
     """`python memory.py plan --model <name>` for the Qwen3-VL and Qwen3.5 built-ins: 1,280 image tokens

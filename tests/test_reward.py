@@ -5,6 +5,7 @@ import threading
 import pytest
 from math_verify.errors import TimeoutException
 
+import model
 import reward
 
 
@@ -143,6 +144,21 @@ def test_iou_rescales_to_the_seen_image(completion, solution, image_size, seen_s
     assert reward.iou([completion], [solution], image_size=[image_size], seen_size=[seen_size]) == [expected]
 
 
+@pytest.mark.parametrize("family", sorted(model.FAMILIES))
+def test_iou_reads_each_familys_box_convention(family):
+    """A box the model writes in its family's convention (model.FAMILIES norm_bbox: Qwen2.5-VL in pixels of the
+    image as shown, Qwen3-VL and Qwen3.5 and their mixture-of-experts variants on a 0-1000 scale) scores 1 against
+    the same region given in original pixels; the same numbers read in the other convention miss. data.prepare
+    hands the convention to the rewards as the column norm_bbox."""
+    norm = model.FAMILIES[family]["norm_bbox"]
+    assert norm == ("none" if family == "qwen2_5_vl" else "norm1000")
+    gold, orig, seen = [112, 56, 336, 168], [448, 224], [64, 32]   # the centre quarter, original pixels
+    said = {"none": "[16, 8, 48, 24]", "norm1000": "[250, 250, 750, 750]"}   # the same region, as the model writes it
+    cols = dict(image_size=[orig] * 2, seen_size=[seen] * 2, norm_bbox=[norm] * 2)
+    right, wrong = said[norm], said["norm1000" if norm == "none" else "none"]
+    assert reward.iou([f"<answer>{right}</answer>", f"<answer>{wrong}</answer>"], [gold] * 2, **cols) == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("length,limit,buffer,expected", [
     (0, 100, None, 0.0),
     (80, 100, None, 0.0),        # max - 0.2 * max: the ramp starts after it
@@ -195,3 +211,17 @@ def test_weights_must_match_functions():
 def test_no_completions_no_calls():
     total, scores, failures = reward.compute_rewards(["accuracy", "format"], None, [], {})
     assert total == [] and scores == {"accuracy": [], "format": []} and failures == {"accuracy": [], "format": []}
+
+
+def test_a_reward_that_raises_says_its_completions_are_failures_not_zeros(capsys):
+    """A reward that raises is no score: its batch's completions are flagged (left out of their groups' statistics and
+    of the loss, train.Completion.scored), and the line says so instead of "scored 0"."""
+    def broken(completions, **kwargs):
+        raise KeyError("solution")
+    reward.REWARDS["broken"] = broken
+    try:
+        total, scores, failed = reward.compute_rewards(["broken"], None, ["a", "b"], {})
+    finally:
+        del reward.REWARDS["broken"]
+    out = capsys.readouterr().out
+    assert failed == {"broken": [True, True]} and "failures" in out and "scored 0" not in out

@@ -195,6 +195,28 @@ def test_each_family_gets_its_grid_its_cpu_dtype_and_unknown_ones_a_clear_error(
         model_py.family({"model_type": "llava"})
 
 
+def test_a_model_not_on_disk_is_named_in_seconds_with_how_to_download_it(tmp_path, tiny_default):
+    """--model that is neither a local folder nor in the local Hugging Face cache stops the launch before anything
+    waits on the hub (transformers retried for about two minutes, then raised its own traceback), saying how to
+    download it; a folder and the embedded default pass. train.py itself, one process, no launcher."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+    with pytest.raises(SystemExit, match=r"neither a local folder nor in the local Hugging Face cache .*hf download "
+                                         r"nobody/no-such-vlm\b.*huggingface-cli download"):
+        model_py.on_disk("nobody/no-such-vlm")
+    with pytest.raises(SystemExit, match="no such folder"):
+        model_py.on_disk(str(tmp_path / "missing"))
+    assert model_py.on_disk(tiny_default[0]) == tiny_default[0]
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "train.py", "--model", "nobody/no-such-vlm", "--train_data", "x.jsonl",
+                        "--output_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "hf download nobody/no-such-vlm" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    print(f"refused in {time.time() - t0:.1f} s, imports included")
+
+
 def test_importing_train_parses_nothing(monkeypatch):
     import importlib
     monkeypatch.setattr("sys.argv", ["x", "--model", "a/b", "--bogus_flag"])

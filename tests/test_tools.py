@@ -3,6 +3,7 @@ between turns, and the trainer's forward over the prompt and the whole trajector
 tower, M-RoPE over the full sequence) agrees with the sampler on the model's tokens, which alone are trained."""
 import functools
 import os
+import re
 import types
 
 import pytest
@@ -35,7 +36,9 @@ def zoom_run(arch, llm_of, *flags):
                                 lora_request=None, pad_id=processor.tokenizer.pad_token_id,
                                 sampling=startup.sampling_of(args, banned),
                                 llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
-    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools)) for r in data.read_jsonl(train_jsonl)[:4]]
+    norm = model_py.FAMILIES[arch]["norm_bbox"]   # as startup.load_data hands it: the family's box convention
+    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools, norm), norm)
+               for r in data.read_jsonl(train_jsonl)[:4]]
     return run, samples, model_dir
 
 
@@ -69,7 +72,7 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
     monkeypatch.setattr(MultiModalHasher, "serialize_item", classmethod(
         lambda cls, obj: (isinstance(obj, Image.Image) and hashed.append(obj)) or serialize(cls, obj)))
     samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args,
-                                toolbox.schemas(run.args.tools))   # one turn, no tool
+                                toolbox.schemas(run.args.tools), samples[0]["norm_bbox"])   # one turn, no tool
     bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
     sent = []
     generate = run.llm.generate
@@ -110,12 +113,39 @@ def test_tools_are_functions_whose_schema_transformers_makes():
                                                                                        "the image as you see it"}
 
 
+@pytest.mark.parametrize("family", sorted(model_py.FAMILIES))
+def test_the_crop_takes_the_box_in_the_familys_convention_and_its_schema_says_which(family):
+    """Qwen2.5-VL writes boxes in pixels of the image it was shown, Qwen3-VL and Qwen3.5 (and their mixture-of-experts
+    variants) on a 0-1000 scale (model.FAMILIES norm_bbox, ms-swift's per-family normalisation): the crop reads the
+    box in the sample's convention (data.prepare puts the family's there) and crops the same region of the original
+    either way, a box past the scale is refused saying the scale, and the schema the model sees says the units."""
+    import numpy as np
+    from PIL import Image
+    norm = model_py.FAMILIES[family]["norm_bbox"]
+    original = Image.fromarray(np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8))
+    seen = data.downscale(original, 56 ** 2, 56 ** 2, 28)   # 56 x 56: 8 original pixels a shown one
+    s = dict(images=[seen], sources=[original], pixel_bounds=(28 ** 2, 56 ** 2, 28), norm_bbox=norm)
+    box = [14, 14, 28, 28] if norm == "none" else [250, 250, 500, 500]   # the same quarter of the top-left quarter
+    parts, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}'
+                                    '</tool_call>' % tuple(box), s, ["crop"])
+    want = data.downscale(original.crop((112, 112, 224, 224)), 28 ** 2, 56 ** 2, 28)
+    assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
+    _, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 900, "y2": 900}}'
+                                '</tool_call>', s, ["crop"])
+    assert (error is None) == (norm == "norm1000")   # 900 is past a 56-pixel image, inside the 0-1000 scale
+    (schema,) = toolbox.schemas(["crop"], norm).values()
+    said = schema["function"]["parameters"]["properties"]["x1"]["description"]
+    assert said == "left edge of the region, " + toolbox.BOX_UNITS[norm] and ("1000" in said) == (norm == "norm1000")
+
+
 def sample_of(arch="qwen2_5_vl"):
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = zoom(arch)
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch])
-    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools)), processor, args
+    norm = model_py.FAMILIES[arch]["norm_bbox"]
+    return data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools, norm), norm), \
+        processor, args
 
 
 def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
@@ -143,9 +173,10 @@ def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(
     same sample (the first, the fourth and the fifth) runs once, and its messages share the crop."""
     s, processor, args = sample_of(arch)
     seen = s["images"][0].width
-    turns = [tiny.zoom_call(seen), '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
+    call = tiny.zoom_call(seen, s["norm_bbox"])   # in the family's box convention
+    turns = [call, '<tool_call>\n{"name": "rotate", "arguments": {}}\n</tool_call>',
              '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": %d, "y2": %d}}\n</tool_call>'
-             % (seen, seen // 2), tiny.zoom_call(seen), tiny.zoom_call(seen)]
+             % (seen, seen // 2), call, call]
 
     def fresh(turn, k):
         return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[s["images"][0]] * (k == 3) * 3,
@@ -316,3 +347,146 @@ def test_a_steps_trajectories_are_the_same_when_it_is_run_again(llm_of, world1):
     for a, b in pairs:
         assert (a.token_ids, a.mask, a.sampler_logps, a.calls) == (b.token_ids, b.mask, b.sampler_logps, b.calls)
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a.images, b.images))
+
+
+# ----------------------------------------------------------------------------- your own tools and rewards (--plugins)
+EXAMPLE = os.path.join(ROOT, "docs", "my_plugins.py")
+
+
+@pytest.fixture
+def own_tables(monkeypatch):
+    """The project's tool and reward tables as they are, put back after the test (a plugin adds to them)."""
+    import flags
+    import reward
+    monkeypatch.setattr(toolbox, "TOOLS", dict(toolbox.TOOLS))
+    monkeypatch.setattr(reward, "REWARDS", dict(reward.REWARDS))
+    monkeypatch.setattr(flags, "_loaded", {})
+
+
+@pytest.mark.parametrize("flag", ["--plugins", "--external_plugins"])
+def test_the_docs_example_plugin_adds_a_tool_and_a_reward(flag, own_tables):
+    """docs/my_plugins.py through --plugins (or ms-swift's --external_plugins): --tools and --reward_funcs take its
+    names, the prompt shows its tool's schema, its tool runs on a prepared sample through the rollout's own call
+    path (a quarter of the original image, downscaled as every image), and its reward scores by the columns."""
+    import numpy as np
+
+    import reward
+    args = train.parse_args(["--tiny_task", "zoom", flag, EXAMPLE, "--tools", "crop", "quadrant",
+                             "--reward_funcs", "accuracy", "tool_use", "--max_prompt_length", "1024"])
+    assert args.tools == ["crop", "quadrant"] and args.reward_funcs == ["accuracy", "tool_use"] and args.plugins == [EXAMPLE]
+    model_dir, train_jsonl, _ = zoom("qwen2_5_vl")
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(model_dir)
+    s = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools))
+    shown = data.prompt(processor, [{"role": "user", "content": "q"}], list(toolbox.schemas(args.tools).values()))
+    assert '"name": "quadrant"' in shown and "top_left, top_right" in shown and s["tools"] == ["crop", "quadrant"]
+    parts, error = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "top_right"}}</tool_call>',
+                                    s, s["tools"])
+    original = data.open_image(s["sources"][0])
+    want = data.downscale(original.crop((224, 0, 448, 224)), *s["pixel_bounds"])
+    assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
+    _, error = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "middle"}}</tool_call>', s, s["tools"])
+    assert "which must be one of" in error
+    total, scores, failed = reward.compute_rewards(["tool_use"], None, ["a", "b", "c"],
+                                                   {"tool_calls": [1, 2, 0], "tool_failures": [0, 1, 0]})
+    assert scores == {"tool_use": [1.0, 0.0, 0.0]} and not any(failed["tool_use"])
+
+
+def test_a_plugin_that_cannot_be_used_stops_the_launch_naming_its_file(tmp_path, own_tables, capsys):
+    """A plugin file that is missing, raises on import (its traceback shown), defines neither TOOLS nor REWARDS, or
+    gives a name another plugin gives, stops at start naming the file; one that replaces a built-in says so."""
+    import flags
+    import reward
+    broken, empty, twin = tmp_path / "broken.py", tmp_path / "empty.py", tmp_path / "twin.py"
+    broken.write_text("import no_such_module_anywhere\n")
+    empty.write_text("X = 1\n")
+    twin.write_text(open(EXAMPLE).read())
+    for argv, said in ((["--plugins", str(tmp_path / "none.py")], "none.py: no such file"),
+                       (["--plugins", str(broken)], "broken.py failed to import: ModuleNotFoundError"),
+                       (["--plugins", str(empty)], "empty.py defines neither TOOLS nor REWARDS"),
+                       (["--plugins", EXAMPLE, str(twin)], "both define tool 'quadrant'")):
+        with pytest.raises(SystemExit, match=said):
+            flags.parse_args(argv)
+    assert "no_such_module_anywhere" in capsys.readouterr().err   # the plugin's own traceback
+    own = tmp_path / "own_accuracy.py"
+    own.write_text("def accuracy(completions, **kwargs):\n    return [0.5] * len(completions)\n\nREWARDS = {'accuracy': accuracy}\n")
+    flags.parse_args(["--plugins", str(own)])
+    assert "reward 'accuracy' replaces the project's own" in capsys.readouterr().out
+    assert reward.compute_rewards(["accuracy"], None, ["x"], {})[0] == [0.5]
+
+
+def table_keys(name):
+    """The first column's `names` of a table in docs/plugins.md between <!-- name --> and <!-- end of name -->."""
+    text = open(os.path.join(ROOT, "docs", "plugins.md")).read()
+    body = text[text.index(f"<!-- {name} -->"):text.index(f"<!-- end of {name} -->")]
+    return {m for line in body.splitlines()[3:] for m in re.findall(r"^\| `(\w+)`", line)}
+
+
+def test_the_docs_name_every_key_of_the_sample_and_every_column_a_reward_gets():
+    """docs/plugins.md's tables are data.prepare's sample and train.reward_inputs' columns (a --tools run's), no more
+    and no less: a plugin author reads them there."""
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = zoom("qwen2_5_vl")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--tiny_task", "zoom"])
+    row = data.read_jsonl(train_jsonl)[0]
+    s = data.prepare(row, processor, args, toolbox.schemas(args.tools))
+    assert table_keys("sample keys") == set(s)
+    run = types.SimpleNamespace(args=args, processor=processor)
+    comps = [train.Completion(index=0, token_ids=[1, 2], sampler_logps=[0.0, 0.0], text="red", finish_reason="stop",
+                              mask=[1, 1], calls=[("call", None)])]
+    fields = {k for k in row if not k.startswith("_")} - {"image", "images", "video", "videos", "tools"}
+    assert table_keys("reward columns") == set(train.reward_inputs(run, [s], comps)) - fields == set(data.RUN_COLUMNS)
+
+
+@pytest.mark.launch
+def test_a_plugin_outside_the_repository_adds_a_tool_and_a_reward_to_a_two_step_run(tmp_path):
+    """A copy of docs/my_plugins.py outside the repository, given as --external_plugins to a two-rank ZeRO-3 run of
+    the zoom task for 2 steps: every rank loads it; its tool (quadrant) is offered beside crop in every fourth row
+    (a row's own `tools`) and its reward (tool_use) is scored and logged. The tiny model was taught to call crop
+    alone, from the prompt that shows crop alone (with quadrant's schema in it, it called in 2 of 32 trajectories),
+    so the copy also replaces crop with a wrapper that writes each call's rank down (a plugin may replace a built-in,
+    said at start): the policy's calls run through the plugin's code on both ranks."""
+    import json
+
+    from conftest import launch
+    _, train_jsonl, _ = zoom("qwen2_5_vl")
+    path = tmp_path / "rows.jsonl"
+    with open(path, "w") as f:
+        for i, r in enumerate(json.loads(line) for line in open(train_jsonl).readlines()[:32]):
+            f.write(json.dumps({**r, "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
+                                "tools": ["crop", "quadrant"] if i % 4 == 0 else ["crop"]}) + "\n")
+    plugin, calls = tmp_path / "elsewhere" / "my_plugins.py", tmp_path / "calls.txt"
+    plugin.parent.mkdir()
+    plugin.write_text(open(EXAMPLE).read() + f"""
+
+import os as _os
+
+_built_in_crop = toolbox.crop
+
+
+def crop(sample, x1: int, y1: int, x2: int, y2: int):
+    with open({str(calls)!r}, "a") as f:
+        f.write(_os.environ.get("RANK", "?") + "\\n")
+    return _built_in_crop(sample, x1, y1, x2, y2)
+
+
+crop.__doc__ = _built_in_crop.__doc__   # the same schema: the prompt the tiny model was taught with
+TOOLS["crop"] = crop
+""")
+    assert not str(plugin).startswith(ROOT)
+    rows, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--external_plugins",
+                       str(plugin), "--tools", "crop",
+                       "quadrant", "--reward_funcs", "accuracy", "tool_use", "--max_prompt_length", "1024",
+                       "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", "--rollout_batch_size", "8",
+                       "--num_generations", "4", "--log_completions_steps", "1")
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2] and all("reward/tool_use" in r for r in train_rows), train_rows
+    # what the policy did, without wandb: rank 0's trajectories a step, with the images it saw (logs.write_trajectories)
+    written = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert [r["step"] for r in written] == [1] * 4 + [2] * 4 and all("tool_use" in r["rewards"] for r in written)
+    assert all((tmp_path / "run" / im).is_file() for r in written for im in r["images"])
+    assert any(im.endswith("_tool.png") for r in written for im in r["images"]) and any(r["calls"] for r in written)
+    assert f"[plugins] {plugin}: tool 'crop' replaces the project's own" in log
+    assert set(calls.read_text().split()) == {"0", "1"} and any(r["tools/calls_mean"] > 0 for r in train_rows)
+    assert any(r["reward/tool_use"] > 0 for r in train_rows)   # a trajectory whose calls all worked scores 1
