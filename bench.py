@@ -265,7 +265,9 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
     args = train.parse_args(["--tiny_task", "zoom", "--max_turns", str(turns), "--num_generations", str(n)])
     llm = rollout.create_engine(model_dir, args, "float32", max_num_seqs=prompts * n, rank=0)
     processor = AutoProcessor.from_pretrained(model_dir)
-    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools)) for r in data.read_jsonl(train_jsonl)[:prompts]]
+    # rows told to call (the prior calls then; asked the task's own question, about one time in nine)
+    samples = [data.prepare({**r, "question": tiny.ZOOM_QUESTION_CALL}, processor, args, toolbox.schemas(args.tools))
+               for r in data.read_jsonl(train_jsonl)[:prompts]]
     run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
                                 lora_request=None, llm=llm,
                                 sampling=startup.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))

@@ -184,9 +184,8 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
               # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
               "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576, limit_images=2,
                            rollout_batch_size=32, num_generations=8, beta=0.04),
-              # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them); the
-              # small model: the tiny one did not learn which way even supervised (tiny.py, docs/demos.md)
-              "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0, tiny_size="small")}
+              # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them)
+              "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0)}
 
 
 def plugin_paths(argv=None):
@@ -248,7 +247,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.model is None:
         grid = 2 * tiny.PATCH[args.tiny_arch]   # the tiny task's 56 px images: 4 tokens (the grounding's 28 px: 1)
-        p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": grid ** 2, "max_pixels": (2 * grid) ** 2,
+        least = (2 * grid) ** 2 if args.tiny_task == "zoom" else grid ** 2   # the zoom task's crops: 4 tokens too
+        p.set_defaults(**{**TINY_DEFAULTS, "min_pixels": least, "max_pixels": (2 * grid) ** 2,
                           # the motion task's 8 frames of 56 px at 2 a second: 4 tokens a frame, 16 a video
                           "video_min_pixels": grid ** 2, "video_max_pixels": (2 * grid) ** 2,
                           "video_total_pixels": 16 * grid ** 2, "video_max_frames": 8,

@@ -31,7 +31,7 @@ import data
 import model as model_py
 import toolbox
 
-VERSION = "v8-boxes"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v9-demos"  # bump when anything below changes, so cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -374,38 +374,52 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
-# The zoom task (--tiny_task zoom, --tools crop): a chequered square at the centre of a 448 x 448 grey image, its
-# 4 px checks one of ZOOM_COLOURS and its complement (256 - each channel), which average to the grey around it:
-# downscaled 8 times to the 56 px the model is shown, the square is gone and so is its colour (the four images
-# differ there by at most 4 levels of 255, at the square's edge; a model trained on them alone, supervised, stays
-# at chance, 0.25). A crop of the centre pixel of the shown image (8 original pixels, 2 x 2 checks, upscaled to one
-# image token) shows each check as a patch of its own colour (patch means 74 levels apart between colours; with
-# 2 px checks they were equal, and the colour was learned too slowly). Grey is a plain square; not yellow, whose
-# complement is about blue. The model calls the crop tool in the JSON form of Qwen's templates; it is taught the
-# call's form first (teach_zoom_format), as the grounding model is taught a box's, not when to make it nor what
-# the crop shows.
-ZOOM_COLOURS = {"red": COLOURS["red"], "green": COLOURS["green"], "blue": COLOURS["blue"], "grey": (128, 128, 128)}
-ZOOM_SIZE, ZOOM_MARK, ZOOM_CELL = 448, 96, 4
-ZOOM_QUESTION = "What colour is the square? Zoom in to see it."
-ZOOM_WORDS = [str(n) for n in range(10, 100)] + ["grey", "name", "crop", "arguments", "x1", "y1", "x2", "y2", "Zoom", "in",
-                                                  "see", "to", "Call", "as", "Tools", "tools", "tool"]
+# The zoom task (--tiny_task zoom, --tools crop): a square of dots at the centre of a light grey image 8 times the side
+# the model is shown (zoom_size: 448 px for Qwen2.5-VL's 56, 512 for the 64 of the 32-px families). Each 8 x 8 cell of
+# the square (one shown pixel) holds a 4 x 4 dot of one of ZOOM_COLOURS at its centre, on a surround of the colour that
+# brings the cell's mean to the grey around it, (64 x grey - 16 x dot) / 48: a whole number, each channel of these
+# colours being the grey's remainder mod 3 (the colour task's colours, moved by a level or two), and a light one
+# (185-255, as the colour task's backgrounds, 200-255). Downscaled 8 times (PIL's bicubic: Keys' kernel weighs the 8
+# phases of a cell alike, its partition of unity), every cell of the square is that grey exactly, and the four shown
+# images differ only on the square's border, by 4 levels of 255 at most (8 at its corners). A crop of one shown pixel
+# (zoom_call: 8 original pixels, one cell), upscaled to the 2 x 2 tokens of the task's bounds (flags.parse_args), shows
+# the dot as a square half its side in the middle: one shape of one colour on a light ground, as the colour task's
+# images show one. The chequer of a colour and its complement that this replaced (issue 45) hid the colour as well,
+# but its crop showed the colour beside its complement (blue beside a yellow), not a shape of one colour, and GRPO
+# did not learn to read it in 300 steps (docs/demos.md).
+ZOOM_GREY = 196
+ZOOM_COLOURS = {"red": (220, 31, 31), "green": (31, 169, 31), "blue": (31, 61, 220), "yellow": (229, 211, 19)}
+ZOOM_SIZE, ZOOM_MARK, ZOOM_CELL, ZOOM_DOT = 448, 96, 8, 4   # ZOOM_SIZE: Qwen2.5-VL's (zoom_size)
+ZOOM_QUESTION = "What colour are the dots in the square? Zoom in to see them."
+# The same question with an order to call (the prior always calls then; tests/test_tools.py's rows, which need calls)
+ZOOM_QUESTION_CALL = "What colour are the dots in the square? Call the crop tool to see them."
+ZOOM_WORDS = [str(n) for n in range(10, 100)] + ["dots", "them", "name", "crop", "arguments", "x1", "y1", "x2", "y2", "Zoom",
+                                                  "in", "see", "to", "Call", "as", "Tools", "tools", "tool"]
 
 
-def zoom_image(colour):
+def zoom_size(arch):
+    """The side of the zoom task's images for `arch`: a cell (ZOOM_CELL original pixels) for each pixel of the 2 x 2
+    tokens the model is shown."""
+    return ZOOM_CELL * 4 * PATCH[arch]
+
+
+def zoom_image(colour, size=ZOOM_SIZE):
+    import numpy as np
     from PIL import Image
-    img = Image.new("RGB", (ZOOM_SIZE, ZOOM_SIZE), (128, 128, 128))
-    c = ZOOM_COLOURS[colour]
-    lo = ZOOM_SIZE // 2 - ZOOM_MARK // 2
-    for y in range(lo, lo + ZOOM_MARK):
-        for x in range(lo, lo + ZOOM_MARK):
-            img.putpixel((x, y), c if (y // ZOOM_CELL + x // ZOOM_CELL) % 2 == 0 else tuple(256 - v for v in c))
-    return img
+    dot = np.array(ZOOM_COLOURS[colour])
+    surround = (ZOOM_CELL ** 2 * ZOOM_GREY - ZOOM_DOT ** 2 * dot) // (ZOOM_CELL ** 2 - ZOOM_DOT ** 2)
+    assert ((surround * (ZOOM_CELL ** 2 - ZOOM_DOT ** 2) + dot * ZOOM_DOT ** 2) == ZOOM_CELL ** 2 * ZOOM_GREY).all()
+    cell, at = np.tile(surround.astype(np.uint8), (ZOOM_CELL, ZOOM_CELL, 1)), (ZOOM_CELL - ZOOM_DOT) // 2
+    cell[at:at + ZOOM_DOT, at:at + ZOOM_DOT] = dot
+    img, lo = np.full((size, size, 3), ZOOM_GREY, np.uint8), size // 2 - ZOOM_MARK // 2   # lo: on a cell's edge
+    img[lo:lo + ZOOM_MARK, lo:lo + ZOOM_MARK] = np.tile(cell, (ZOOM_MARK // ZOOM_CELL, ZOOM_MARK // ZOOM_CELL, 1))
+    return Image.fromarray(img)
 
 
 def zoom_call(seen, norm_bbox="none"):
     """The tool call that crops the centre pixel of a `seen`-pixel image (the square is there; 8 original pixels,
-    upscaled to one image token): its text, as the model writes it, in its family's box convention (norm_bbox,
-    model.FAMILIES: pixels, or 0-1000)."""
+    one cell, upscaled to the task's 2 x 2 tokens): its text, as the model writes it, in its family's box convention
+    (norm_bbox, model.FAMILIES: pixels, or 0-1000)."""
     a, b = seen // 2 - 1, seen // 2
     if norm_bbox == "norm1000":
         a, b = norm1000([a, b], seen, seen)
@@ -420,75 +434,106 @@ def zoom_words(arch):
     return ZOOM_WORDS + sorted(set(numbers) - set(ZOOM_WORDS))
 
 
-def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0):
-    """Write train.jsonl / val.jsonl + images/ of the zoom task: {"image", "question", "solution"} per line."""
+def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0, size=ZOOM_SIZE):
+    """Write train.jsonl / val.jsonl + images/ of the zoom task: {"image", "question", "solution"} per line. One
+    image per colour (they differ in nothing else), under a name that does not say which."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-    for colour in ZOOM_COLOURS:   # one image per colour: the images differ in nothing else
-        zoom_image(colour).save(os.path.join(out_dir, "images", f"{colour}.png"))
+    names = {}
+    for k, colour in enumerate(rng.sample(sorted(ZOOM_COLOURS), len(ZOOM_COLOURS))):
+        names[colour] = f"images/square_{k}.png"
+        zoom_image(colour, size).save(os.path.join(out_dir, names[colour]))
     for split, n in (("train", n_train), ("val", n_val)):
         with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
             for _ in range(n):
                 colour = rng.choice(sorted(ZOOM_COLOURS))
-                f.write(json.dumps({"image": f"images/{colour}.png", "question": ZOOM_QUESTION, "solution": colour}) + "\n")
+                f.write(json.dumps({"image": names[colour], "question": ZOOM_QUESTION, "solution": colour}) + "\n")
     return out_dir
 
 
-def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
-    """Give the zoom model the prior an Instruct checkpoint brings: half the time it answers at once, half the
-    time it writes the crop call (zoom_call, exactly) and, shown the crop, answers after it; every answer a colour
-    drawn at random, independent of the image. Supervised on whole trajectories as the rollout lays them out
-    (data.prompt, toolbox.response), the prompt and tool messages masked; which way pays, and reading the
-    crop, are left to GRPO."""
+def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-3, seed=0):
+    """Give the zoom model the prior an Instruct checkpoint brings, and a colour reader: asked ZOOM_QUESTION, it
+    answers at once, a colour drawn at random (the shown image holds none), or, `share` of the time, writes the crop
+    call (zoom_call, exactly); asked ZOOM_QUESTION_CALL, it calls; shown a tool's image after a call, it names the
+    colour of the shape in it, taught on the colour task's images (draw), never on the zoom task's crops. Greedy, it
+    answers ZOOM_QUESTION at once: chance, 0.25. Whether to call, and reading what a crop shows (transfer from the
+    colour task's shapes), are left to GRPO. Supervised on whole trajectories as the rollout lays them out
+    (data.prompt, toolbox.response, each segment tokenized on its own), the prompt and tool messages masked; each
+    step `batch` trajectories that call and read (the first token taught as the distribution above, from their
+    prompt's last logits, the same for all), `told` that are told to call, and `told` that answer at once."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
     proc = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     grid = proc.image_processor.patch_size * proc.image_processor.merge_size
-    lo, hi = grid ** 2, (2 * grid) ** 2   # the task's default bounds (flags.parse_args): 4 tokens an image
+    bounds = ((2 * grid) ** 2, (2 * grid) ** 2)   # the task's (flags.parse_args): 2 x 2 tokens an image, crops too
     rng, _ = random.Random(seed), torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     norm = model_py.family(model.config)["norm_bbox"]   # its family's boxes: pixels, or 0-1000
-    prompt = data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ZOOM_QUESTION}]}],
-                         list(toolbox.schemas(["crop"], norm).values()))
-    tok = proc.tokenizer
-    for step in range(steps):
-        colour = rng.choice(sorted(ZOOM_COLOURS))
-        seen = data.downscale(zoom_image(colour), lo, hi, grid)
-        segments = [(proc(text=[prompt], images=[seen], return_tensors="pt"), False)]   # (inputs, trained)
-        if step % 5:   # four in five: a call
-            sample = dict(images=[seen], sources=[zoom_image(colour)], pixel_bounds=(lo, hi, grid), norm_bbox=norm)
-            call = zoom_call(seen.width, norm)
-            parts, error = toolbox.run_call(call, sample, ["crop"])
-            assert error is None, error
-            segments += [(tok(call, return_tensors="pt"), True),
-                         (proc(text=[toolbox.response(proc, parts)], images=parts, return_tensors="pt"), False)]
-        segments.append((tok(rng.choice(sorted(ZOOM_COLOURS)) + "<|im_end|>", return_tensors="pt"), True))
+    prompt, order = (data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                                 list(toolbox.schemas(["crop"], norm).values())) for q in (ZOOM_QUESTION, ZOOM_QUESTION_CALL))
+    tok, seen = proc.tokenizer, data.downscale(zoom_image("red", 8 * 2 * grid), *bounds, grid)   # every colour's: grey
+    call, words = zoom_call(seen.width, norm), sorted(ZOOM_COLOURS)
+    reply = toolbox.response(proc, [seen])   # the tool message around an image (the image's own tokens: its size's)
+    heads = [proc(text=[q] * n, images=[seen] * n, return_tensors="pt") for q, n in ((prompt, batch), (order, told),
+                                                                                   (prompt, told))]
+    first = torch.zeros(len(tok), dtype=torch.float32)   # ZOOM_QUESTION's first token: call, or a colour at random
+    first[tok.convert_tokens_to_ids("<tool_call>")] = share
+    first[tok.convert_tokens_to_ids(words)] = (1 - share) / len(words)
+
+    def forward(segments):   # [(inputs of the batch, trained)] in token order -> logits, each trained segment's loss
         ids = torch.cat([x["input_ids"] for x, _ in segments], 1)
-        labels = torch.cat([x["input_ids"] if trained else torch.full_like(x["input_ids"], -100) for x, trained in segments], 1)
         types = torch.cat([x.get("mm_token_type_ids", torch.zeros_like(x["input_ids"])) for x, _ in segments], 1)
-        images = [x for x, _ in segments if "pixel_values" in x]
-        loss = model(input_ids=ids, labels=labels, mm_token_type_ids=types, pixel_values=torch.cat([x["pixel_values"] for x in images]),
-                     image_grid_thw=torch.cat([x["image_grid_thw"] for x in images])).loss
-        (loss * (labels != -100).sum() / 16).backward()   # a sum over tokens: the call's first token weighs as an answer's
+        images = [x for x, _ in segments if "pixel_values" in x]   # each sequence's images in its order
+        pixels = torch.cat([x["pixel_values"].view(len(ids), -1, x["pixel_values"].shape[-1]) for x in images], 1)
+        grids = torch.stack([x["image_grid_thw"].view(len(ids), 3) for x in images], 1)
+        logits = model(input_ids=ids, mm_token_type_ids=types, pixel_values=pixels.flatten(0, 1),
+                       image_grid_thw=grids.flatten(0, 1)).logits
+        losses, at = [], 0
+        for x, trained in segments:
+            n = x["input_ids"].shape[1]
+            if trained:
+                losses.append(torch.nn.functional.cross_entropy(logits[:, at - 1:at + n - 1].flatten(0, 1),
+                                                                x["input_ids"].flatten(), reduction="none").view(len(ids), n))
+            at += n
+        return logits, losses
+
+    def called(head, n):   # n trajectories that call, are shown a colour task image, and name its colour
+        colours = [rng.choice(words) for _ in range(n)]
+        images = [data.downscale(draw(c, rng.choice(["square", "circle", "triangle"]), rng), *bounds, grid) for c in colours]
+        return forward([(head, False), (tok([call] * n, return_tensors="pt"), True),
+                        (proc(text=[reply] * n, images=images, return_tensors="pt"), False),
+                        (tok([c + "<|im_end|>" for c in colours], return_tensors="pt"), True)])
+
+    for _ in range(steps):
+        logits, (call_loss, read) = called(heads[0], batch)
+        _, (told_call, told_read) = called(heads[1], told)
+        _, (answer,) = forward([(heads[2], False),
+                                (tok([rng.choice(words) + "<|im_end|>" for _ in range(told)], return_tensors="pt"), True)])
+        # each part its own mean: the first token of ZOOM_QUESTION (a cross-entropy to `first`), the rest of the call,
+        # the call when told, the end of an answer given at once, and the colour read after a call
+        start = -(first * logits[0, heads[0]["input_ids"].shape[1] - 1].log_softmax(-1)).sum()
+        (start + call_loss[:, 1:].mean() + told_call.mean() + answer[:, 1:].mean() + torch.cat([read, told_read]).mean()
+         ).backward()
         opt.step()
         opt.zero_grad()
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
-# The motion task (--tiny_task motion): a black square of one patch (14 px) slides across a white 56 x 56 clip of 8
-# frames (2 a second, 4 s) one way, left, right, up or down, a patch a frame, wrapping round at the edges. It starts
-# on any of the 16 patches, so every single frame is alike whichever way it moves (with the wrap, each frame's square
-# is uniform over them): an image-blind or one-frame policy is at chance, 0.25. The way shows only across frames:
-# two frames make one token (its patch embedding sees both), and half the time the square moves within a token's 2 x 2
-# patches, where which patch empties and which fills says the way. Earlier versions (a 16 px square of random colours
-# on a random background moving 6 px a frame) were not learned even supervised by the tiny model, nor in 300 GRPO
-# steps (docs/demos.md); this one is learned supervised by the small model (0.70 at 400 steps), not by the tiny one.
+# The motion task (--tiny_task motion): a black square of 2 x 2 patches (28 px, half the frame's side) slides across a
+# white 56 x 56 clip of 8 frames (2 a second, 4 s) one way, left, right, up or down, a patch (14 px) a frame, wrapping
+# round at the edges. It starts on any of the 16 patches, so every single frame is alike whichever way it moves (with
+# the wrap, each frame's square is uniform over them): an image-blind or one-frame policy is at chance, 0.25. The way
+# shows only across frames: two frames make one token (its patch embedding sees both), and in each pair the square's
+# leading side fills a band of patches and its trailing side empties one, a patch apart. The square of one patch
+# before it (issue 45) was learned supervised by the small model (0.70 at 400 steps), not by the tiny one, nor by GRPO
+# in 237 steps (docs/demos.md); twice its side, the tiny model learns the way supervised in 60-80 steps (16 clips a
+# step), and its first frame alone, shown as the whole clip, stays at chance.
 # The clips are H.264 .mp4 files written with PyAV, read back as any video is.
 MOTION_DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 MOTION_QUESTION = "Which way does the shape move? Answer with one word."
 MOTION_WORDS = ["up", "down", "way", "does", "move", "seconds"]   # and Qwen3-VL's timestamps: <0.5 seconds>
-MOTION_FRAMES, MOTION_STEP = 8, 14   # the square: one patch, moving a patch a frame
+MOTION_FRAMES, MOTION_SIDE, MOTION_STEP = 8, 28, 14   # the square: 2 x 2 patches, moving a patch a frame
 
 
 def motion_frames(direction, rng):
@@ -499,7 +544,7 @@ def motion_frames(direction, rng):
     frames = np.full((MOTION_FRAMES, SIZE, SIZE, 3), 255, np.uint8)
     for k in range(MOTION_FRAMES):
         x, y = x0 + k * MOTION_STEP * dx, y0 + k * MOTION_STEP * dy
-        frames[k][(np.arange(y, y + MOTION_STEP) % SIZE)[:, None], np.arange(x, x + MOTION_STEP) % SIZE] = 0
+        frames[k][(np.arange(y, y + MOTION_SIDE) % SIZE)[:, None], np.arange(x, x + MOTION_SIDE) % SIZE] = 0
     return frames
 
 
@@ -516,16 +561,23 @@ def write_video(path, frames, fps=2):
 
 
 def build_motion_task(out_dir, n_train=2000, n_val=64, seed=0):
-    """Write train.jsonl / val.jsonl + videos/ of the motion task: {"video", "question", "solution"} per line."""
+    """Write train.jsonl / val.jsonl + videos/ of the motion task: {"video", "question", "solution"} per line; and
+    its control, train_first_frame.jsonl / val_first_frame.jsonl + first_frame/: the same rows, each clip its first
+    frame shown 8 times (the same file format, frame count and prompt; no motion), which no policy reads the way
+    from (docs/demos.md runs GRPO on both)."""
     rng = random.Random(seed)
-    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
+    for folder in ("videos", "first_frame"):
+        os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
     for split, n in (("train", n_train), ("val", n_val)):
-        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f, \
+                open(os.path.join(out_dir, f"{split}_first_frame.jsonl"), "w") as still:
             for i in range(n):
                 direction = rng.choice(sorted(MOTION_DIRECTIONS))
-                rel = f"videos/{split}_{i:05d}.mp4"
-                write_video(os.path.join(out_dir, rel), motion_frames(direction, rng))
-                f.write(json.dumps({"video": rel, "question": MOTION_QUESTION, "solution": direction}) + "\n")
+                frames, rel = motion_frames(direction, rng), f"{split}_{i:05d}.mp4"
+                write_video(os.path.join(out_dir, "videos", rel), frames)
+                write_video(os.path.join(out_dir, "first_frame", rel), frames[:1].repeat(len(frames), 0))
+                for file, folder in ((f, "videos"), (still, "first_frame")):
+                    file.write(json.dumps({"video": f"{folder}/{rel}", "question": MOTION_QUESTION, "solution": direction}) + "\n")
     return out_dir
 
 
@@ -539,8 +591,8 @@ def build(tmp, task, size, arch):
         build_motion_task(os.path.join(tmp, "task"))
     elif task == "zoom":
         build_model(os.path.join(tmp, "model"), extra_words=zoom_words(arch), size=size, arch=arch, tools=True)
-        build_zoom_task(os.path.join(tmp, "task"))
-        teach_zoom_format(os.path.join(tmp, "model"), os.path.join(tmp, "task"))
+        build_zoom_task(os.path.join(tmp, "task"), size=zoom_size(arch))
+        teach_zoom_prior(os.path.join(tmp, "model"))
     else:
         build_model(os.path.join(tmp, "model"), extra_words=grounding_words(arch), size=size, arch=arch)
         build_grounding_task(os.path.join(tmp, "task"))

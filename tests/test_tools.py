@@ -24,6 +24,12 @@ def zoom(arch):
     return tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="zoom", arch=arch)
 
 
+def told(row):
+    """A zoom row asked with the order to call (tiny.ZOOM_QUESTION_CALL): the prior calls then (~0.95), where it
+    calls about one time in nine asked the task's own question (the demo's start: docs/demos.md)."""
+    return {**row, "question": tiny.ZOOM_QUESTION_CALL}
+
+
 def zoom_run(arch, llm_of, *flags):
     """A run-like record with the zoom task's flags, its real vLLM engine and processor, on one gloo rank."""
     from transformers import AutoProcessor
@@ -37,7 +43,7 @@ def zoom_run(arch, llm_of, *flags):
                                 sampling=startup.sampling_of(args, banned),
                                 llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
     norm = model_py.FAMILIES[arch]["norm_bbox"]   # as startup.load_data hands it: the family's box convention
-    samples = [data.prepare(r, processor, args, toolbox.schemas(args.tools, norm), norm)
+    samples = [data.prepare(told(r), processor, args, toolbox.schemas(args.tools, norm), norm)
                for r in data.read_jsonl(train_jsonl)[:4]]
     return run, samples, model_dir
 
@@ -57,8 +63,8 @@ def gaps(run, groups, policy):
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, world1, monkeypatch):
-    """Four prompts x 4 trajectories at T 0.8 on the zoom model (its prior calls the crop most of the time; the
-    fourth row shows no tools, so its trajectories answer at once, beside the others in the micro-batches): turns
+    """Four prompts x 4 trajectories at T 0.8 on the zoom model (told to call, its prior calls the crop most of the
+    time; the fourth row shows no tools, so its trajectories answer at once, beside the others in the micro-batches): turns
     that called the tool got its image back; the trainer's log-probs of the model's tokens, over the whole sequence
     with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in test_vllm_agreement),
     one sequence per completion and with the shared prefix (Qwen3.5: the first only, it falls back); a tool token
@@ -148,19 +154,91 @@ def sample_of(arch="qwen2_5_vl"):
         processor, args
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_zoom_task_hides_the_colour_and_a_crop_shows_it(arch):
+    """The zoom task is honest (issue 45): the four images the model is shown (each colour's, downscaled 8 times as
+    data.prepare does) are the same grey inside the dots' square and differ only on its border, by 8 levels of 255
+    at most, so no policy blind to the crop beats chance (the demo's control, docs/demos.md); the crop of the centre
+    pixel shows the dot, a square of its colour on a light ground, each colour's tens of levels from the others'."""
+    import numpy as np
+    grid = 2 * tiny.PATCH[arch]
+    bounds = ((2 * grid) ** 2, (2 * grid) ** 2, grid)
+    seen, crops = [], []
+    for colour in sorted(tiny.ZOOM_COLOURS):
+        original = tiny.zoom_image(colour, tiny.zoom_size(arch))
+        shown = data.downscale(original, *bounds)
+        norm = model_py.FAMILIES[arch]["norm_bbox"]
+        parts, error = toolbox.run_call(tiny.zoom_call(shown.width, norm),
+                                        dict(images=[shown], sources=[original], pixel_bounds=bounds, norm_bbox=norm), ["crop"])
+        assert error is None and shown.size == parts[0].size == (2 * grid, 2 * grid)
+        seen.append(np.asarray(shown, dtype=float))
+        crops.append(np.asarray(parts[0], dtype=float))
+    spread = np.ptp(np.stack(seen), axis=0).max(-1)   # (h, w): the most two colours' shown images differ by
+    half = tiny.ZOOM_MARK // tiny.ZOOM_CELL // 2   # the square: 12 shown pixels at the centre; 2 in from its border
+    inside = slice(grid - half + 2, grid + half - 2)
+    assert spread.max() <= 8 and spread[inside, inside].max() == 0 and (spread > 0).mean() < 0.06
+    middle = slice(grid - grid // 4, grid + grid // 4)   # the dot, upscaled: the crop's middle quarter
+    dots = np.stack([c[middle, middle].mean((0, 1)) for c in crops])   # (4, 3)
+    assert min(np.abs(a - b).max() for i, a in enumerate(dots) for b in dots[i + 1:]) > 60
+    assert all(c[:grid // 8, :grid // 8].min() > 150 for c in crops)   # a light ground around it
+
+
+def test_the_zoom_tasks_files_do_not_name_the_colour():
+    """One image per colour, under a name that does not say which; every row asks the same question."""
+    import json
+    _, train_jsonl, val_jsonl = zoom("qwen2_5_vl")
+    rows = [json.loads(line) for path in (train_jsonl, val_jsonl) for line in open(path)]
+    names = {r["image"] for r in rows}
+    assert len(names) == 4 and {r["solution"] for r in rows} == set(tiny.ZOOM_COLOURS)
+    assert not any(c in n for n in names for c in tiny.ZOOM_COLOURS) and {r["question"] for r in rows} == {tiny.ZOOM_QUESTION}
+
+
+def test_the_zoom_prior_answers_at_once_and_reads_a_colour_task_image_after_a_call():
+    """tiny.teach_zoom_prior's model, the zoom demo's start: asked the task's question it calls the crop about one
+    time in nine, less often than it names any colour at once, so greedy it answers at once (chance: the shown
+    image holds no colour); told to call (tiny.ZOOM_QUESTION_CALL), it calls; after a call, shown the colour task's
+    images (tiny.draw, never a zoom crop), it names the shape's colour. What a crop shows is left to transfer."""
+    import random
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model_dir, _, _ = zoom("qwen2_5_vl")
+    proc = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok, bounds = proc.tokenizer, (56 ** 2, 56 ** 2, 28)
+    words = sorted(tiny.ZOOM_COLOURS)
+    ids, call_id = tok.convert_tokens_to_ids(words), tok.convert_tokens_to_ids("<tool_call>")
+    shown = data.downscale(tiny.zoom_image("red"), *bounds)
+    schema = list(toolbox.schemas(["crop"]).values())
+
+    def prompt(question):
+        return data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}], schema)
+    with torch.no_grad():
+        first, told = (model(**proc(text=[prompt(q)], images=[shown], return_tensors="pt")).logits[0, -1].softmax(-1)
+                       for q in (tiny.ZOOM_QUESTION, tiny.ZOOM_QUESTION_CALL))
+        rng, right = random.Random(0), 0
+        for k in range(16):
+            colour = words[k % 4]
+            image = data.downscale(tiny.draw(colour, rng.choice(["square", "circle", "triangle"]), rng), *bounds)
+            text = prompt(tiny.ZOOM_QUESTION) + tiny.zoom_call(56) + toolbox.response(proc, [image])
+            logits = model(**proc(text=[text], images=[shown, image], return_tensors="pt")).logits[0, -1]
+            right += words[int(logits[ids].argmax())] == colour
+    assert 0.05 < first[call_id] < min(first[ids]) and told[call_id] > 0.8, (first[call_id], first[ids], told[call_id])
+    assert right >= 14, right
+
+
 def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
     """crop(x1, y1, x2, y2) in the coordinates of the image the model was shown: the region of the original image
-    (the checks are there, not in the downscaled one), downscaled on the model's grid within its pixel bounds."""
+    (the dots are there, not in the downscaled one), downscaled on the model's grid within its pixel bounds."""
     import numpy as np
     s, _, args = sample_of()
     seen = s["images"][0]
     assert seen.size == (56, 56) and data.open_image(s["sources"][0]).size == (tiny.ZOOM_SIZE, tiny.ZOOM_SIZE)
     parts, error = toolbox.run_call(tiny.zoom_call(seen.width), s, ["crop"])
     (crop,) = parts
-    assert error is None and crop.size == (28, 28)   # 1 seen pixel: 8 original ones, onto the 28-pixel grid (upscaled)
+    assert error is None and crop.size == (56, 56)   # 1 seen pixel: 8 original ones, upscaled to the task's 2 x 2 tokens
     want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels, args.max_pixels, 28)
     assert np.array_equal(np.asarray(crop), np.asarray(want))
-    assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the checks, only in the crop
+    assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the dot, only in the crop
     decoded = dict(s, sources=[data.open_image(s["sources"][0])])   # an HF dataset's row: a PIL image, not a path
     assert np.array_equal(np.asarray(toolbox.run_call(tiny.zoom_call(seen.width), decoded, ["crop"])[0][0]), np.asarray(want))
 
@@ -310,7 +388,7 @@ def test_the_planner_counts_the_tool_messages():
 @pytest.mark.launch
 def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path):
     """A two-rank ZeRO-3 run of --tiny_task zoom for 3 steps where rank 1's rows show no tools (a row's own `tools`
-    field: one turn each) and rank 0's do (its prior calls the crop about half the time: two turns): every rank
+    field: one turn each) and rank 0's do (told to call, its prior calls the crop most of the time: two turns): every rank
     runs as many turns as the busiest (a collective; vLLM on rank 1 gets no request in the second), trains on
     its own trajectories, and the sampler and the trainer agree on the model's tokens."""
     import json
@@ -324,7 +402,7 @@ def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path
     path = tmp_path / "mixed.jsonl"
     with open(path, "w") as f:
         for i, r in enumerate(rows):
-            f.write(json.dumps({**r, "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
+            f.write(json.dumps({**told(r), "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
                                 **({"tools": []} if i in rank1 else {})}) + "\n")
     out, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3", "--val_freq", "0",
                       "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
@@ -444,9 +522,9 @@ def test_a_plugin_outside_the_repository_adds_a_tool_and_a_reward_to_a_two_step_
     """A copy of docs/my_plugins.py outside the repository, given as --external_plugins to a two-rank ZeRO-3 run of
     the zoom task for 2 steps: every rank loads it; its tool (quadrant) is offered beside crop in every fourth row
     (a row's own `tools`) and its reward (tool_use) is scored and logged. The tiny model was taught to call crop
-    alone, from the prompt that shows crop alone (with quadrant's schema in it, it called in 2 of 32 trajectories),
-    so the copy also replaces crop with a wrapper that writes each call's rank down (a plugin may replace a built-in,
-    said at start): the policy's calls run through the plugin's code on both ranks."""
+    alone (the rows tell it to: told), from the prompt that shows crop alone, so the copy also replaces crop with a
+    wrapper that writes each call's rank down (a plugin may replace a built-in, said at start): the policy's calls
+    run through the plugin's code on both ranks."""
     import json
 
     from conftest import launch
@@ -454,7 +532,7 @@ def test_a_plugin_outside_the_repository_adds_a_tool_and_a_reward_to_a_two_step_
     path = tmp_path / "rows.jsonl"
     with open(path, "w") as f:
         for i, r in enumerate(json.loads(line) for line in open(train_jsonl).readlines()[:32]):
-            f.write(json.dumps({**r, "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
+            f.write(json.dumps({**told(r), "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
                                 "tools": ["crop", "quadrant"] if i % 4 == 0 else ["crop"]}) + "\n")
     plugin, calls = tmp_path / "elsewhere" / "my_plugins.py", tmp_path / "calls.txt"
     plugin.parent.mkdir()

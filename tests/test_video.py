@@ -451,6 +451,35 @@ def test_the_planner_counts_a_real_size_video_as_vllm_does(tmp_path):
 
 
 # ----------------------------------------------------------------------------- two ranks, real .mp4 files
+def test_the_motion_task_shows_the_way_only_across_frames():
+    """The motion task is honest (issue 45): whichever way the square moves, each frame of a clip puts it on each of
+    the 16 patch positions for one of the 16 starts (the wrap), so a single frame says nothing of the way; the
+    control's rows (tiny.build_motion_task's *_first_frame.jsonl) are the task's rows with each clip its first frame
+    shown 8 times, decoded through PyAV like any clip, with the same frame count and prompt."""
+    class Start:   # motion_frames' rng: the start (x0, y0) given
+        def __init__(self, x, y):
+            self.values = [x, y]
+
+        def randrange(self, *_):
+            return self.values.pop(0)
+    starts = [(x, y) for x in range(0, tiny.SIZE, tiny.MOTION_STEP) for y in range(0, tiny.SIZE, tiny.MOTION_STEP)]
+    for direction in tiny.MOTION_DIRECTIONS:
+        clips = np.stack([tiny.motion_frames(direction, Start(*s)) for s in starts])   # (16, 8, 56, 56, 3)
+        for k in range(tiny.MOTION_FRAMES):   # frame k over the 16 starts: the same set of frames for every way
+            assert sorted(f.tobytes() for f in clips[:, k]) == sorted(f.tobytes() for f in clips[:, 0])
+    _, train_jsonl, val_jsonl = motion()
+    args = train.parse_args(["--tiny_task", "motion"])
+    for path in (train_jsonl, val_jsonl):
+        rows, still = (data.read_jsonl(p) for p in (path, path.replace(".jsonl", "_first_frame.jsonl")))
+        assert [r["solution"] for r in rows] == [r["solution"] for r in still]
+        assert {r["question"] for r in rows} == {r["question"] for r in still} == {tiny.MOTION_QUESTION}
+        for row, control in list(zip(rows, still))[:4]:
+            clip, _ = data.load_video(os.path.join(os.path.dirname(path), row["video"]), args, 28, 2)
+            first, _ = data.load_video(os.path.join(os.path.dirname(path), control["video"]), args, 28, 2)
+            assert clip.shape == first.shape == (8, 56, 56, 3) and np.ptp(first.astype(int), axis=0).max() <= 2
+            assert np.abs(first[0].astype(int) - clip[0]).max() <= 8 and np.abs(clip[1].astype(int) - clip[0]).max() > 200
+
+
 @pytest.mark.launch
 def test_motion_task_with_a_video_rank_beside_a_text_only_rank(tmp_path):
     """A two-rank ZeRO-3 run of --tiny_task motion for 3 steps from a JSONL that names real .mp4 files written by

@@ -1,10 +1,11 @@
-"""Does a demo learn on more than one seed? Runs `make demo [TASK=grounding]`'s command (2 processes,
+"""Does a demo learn on more than one seed? Runs `make demo [TASK=grounding|zoom|motion]`'s command (2 processes,
 the embedded defaults) once per seed, stops a run once greedy validation has reached the threshold
 at two validations in a row (SIGTERM: it checkpoints and exits 75), and prints the report's table.
 The seeds change the data order and the samples; the tiny model's weights are the same in every run.
+`--control` runs the zoom and motion demos' controls instead (CONTROLS: the same model without what the task needs).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/seeds.py --task colour --seeds 0 1 2 3 4 [-- --learning_rate 2e-3]
-Runs go to runs/seeds-<task>-<S>; flags after `--` are passed to train.py (explicit flags win, as ever)."""
+Runs go to runs/seeds-<task>[-control]-<S>; flags after `--` are passed to train.py (explicit flags win, as ever)."""
 import argparse
 import json
 import os
@@ -16,6 +17,18 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import tiny  # noqa: E402
+
+
+def controls(task):
+    """The flags of a demo's control (docs/demos.md): the zoom task without its tool (the shown image alone, where
+    the dots' colour is gone); the motion task's clips each made of its first frame (tiny.build_motion_task)."""
+    if task == "zoom":
+        return ["--tools"]
+    folder = os.path.dirname(tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="motion")[1])
+    return ["--train_data", os.path.join(folder, "train_first_frame.jsonl"),
+            "--val_data", os.path.join(folder, "val_first_frame.jsonl")]
 
 
 def validations(path):
@@ -60,12 +73,15 @@ def main():
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="colour", choices=["colour", "grounding"])
+    p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"])
+    p.add_argument("--control", action="store_true", help="the zoom or motion demo's control (controls())")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--threshold", type=float, default=0.9, help="greedy validation reward (the grounding task's is its IoU)")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--tag", default="", help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if a.control:
+        extra, a.tag = controls(a.task) + extra, a.tag + "-control"
     results = []
     for seed in a.seeds:
         results.append(run(a.task, seed, a.threshold, extra, a.procs, a.tag))
