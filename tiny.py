@@ -592,7 +592,9 @@ def build(tmp, task, size, arch):
     elif task == "zoom":
         build_model(os.path.join(tmp, "model"), extra_words=zoom_words(arch), size=size, arch=arch, tools=True)
         build_zoom_task(os.path.join(tmp, "task"), size=zoom_size(arch))
-        teach_zoom_prior(os.path.join(tmp, "model"))
+        # the demo's family reads the colour task's shapes after 300 steps (~1 min here); the others get 100, the
+        # call's form and the told call (their tests need no reader; a Qwen3.5 step takes ~5 times a Qwen2.5-VL's)
+        teach_zoom_prior(os.path.join(tmp, "model"), steps=300 if arch == "qwen2_5_vl" else 100)
     else:
         build_model(os.path.join(tmp, "model"), extra_words=grounding_words(arch), size=size, arch=arch)
         build_grounding_task(os.path.join(tmp, "task"))

@@ -2,7 +2,8 @@
 the embedded defaults) once per seed, stops a run once greedy validation has reached the threshold
 at two validations in a row (SIGTERM: it checkpoints and exits 75), and prints the report's table.
 The seeds change the data order and the samples; the tiny model's weights are the same in every run.
-`--control` runs the zoom and motion demos' controls instead (CONTROLS: the same model without what the task needs).
+`--control` runs the zoom and motion demos' controls instead (controls(): the same model without what the task needs);
+`--plot PNG` draws the runs already in runs/ for --seeds, each beside its control (docs/demos.md's pictures).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/seeds.py --task colour --seeds 0 1 2 3 4 [-- --learning_rate 2e-3]
 Runs go to runs/seeds-<task>[-control]-<S>; flags after `--` are passed to train.py (explicit flags win, as ever)."""
@@ -69,17 +70,48 @@ def run(task, seed, threshold, extra, procs, tag=""):
                 last=val[-1] if val else None, minutes=(time.time() - start) / 60, rc=job.returncode, val=val)
 
 
+def plot(task, seeds, png):
+    """Greedy validation, train reward and (zoom) calls a trajectory of each seed's run in runs/seeds-<task>-<S>,
+    beside its control's in runs/seeds-<task>-control-<S>, as one PNG."""
+    import matplotlib  # only for --plot
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = [("val/reward", "greedy validation"), ("reward/mean", "train reward")]
+    keys += [("tools/calls_mean", "tool calls a trajectory")] if task == "zoom" else []
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), sharex=True)
+    for tag, colour, name in (("", "C0", task), ("-control", "C3", "control")):
+        for seed in seeds:
+            path = os.path.join(ROOT, "runs", f"seeds-{task}{tag}-{seed}", "metrics.jsonl")
+            rows = [json.loads(line) for line in open(path) if line.endswith("\n")]
+            for ax, (key, title) in zip(axes, keys):
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), "o-" if key == "val/reward" else "-", color=colour, alpha=0.7, markersize=3,
+                            label=name if seed == seeds[0] else None)
+                ax.set_title(title, fontsize=10)
+                ax.set_xlabel("step")
+                ax.set_ylim(-0.02, 1.02)
+                ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{task}: seeds {', '.join(map(str, seeds))}, each beside its control", fontsize=10)
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    print(png)
+
+
 def main():
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"])
     p.add_argument("--control", action="store_true", help="the zoom or motion demo's control (controls())")
+    p.add_argument("--plot", default=None, help="draw the runs of --seeds and their controls into this PNG; run nothing")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--threshold", type=float, default=0.9, help="greedy validation reward (the grounding task's is its IoU)")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--tag", default="", help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if a.plot:
+        return plot(a.task, a.seeds, a.plot)
     if a.control:
         extra, a.tag = controls(a.task) + extra, a.tag + "-control"
     results = []
