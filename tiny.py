@@ -381,7 +381,7 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
 # colours being the grey's remainder mod 3 (the colour task's colours, moved by a level or two), and a light one
 # (185-255, as the colour task's backgrounds, 200-255). Downscaled 8 times (PIL's bicubic: Keys' kernel weighs the 8
 # phases of a cell alike, its partition of unity), every cell of the square is that grey exactly, and the four shown
-# images differ only on the square's border, by 4 levels of 255 at most (8 at its corners). A crop of one shown pixel
+# images differ only on the square's border, by 5 levels of 255 at most (8 at its corners). A crop of one shown pixel
 # (zoom_call: 8 original pixels, one cell), upscaled to the 2 x 2 tokens of the task's bounds (flags.parse_args), shows
 # the dot as a square half its side in the middle: one shape of one colour on a light ground, as the colour task's
 # images show one. The chequer of a colour and its complement that this replaced (issue 45) hid the colour as well,
@@ -472,11 +472,11 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
     norm = model_py.family(model.config)["norm_bbox"]   # its family's boxes: pixels, or 0-1000
     prompt, order = (data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
                                  list(toolbox.schemas(["crop"], norm).values())) for q in (ZOOM_QUESTION, ZOOM_QUESTION_CALL))
-    tok, seen = proc.tokenizer, data.downscale(zoom_image("red", 8 * 2 * grid), *bounds, grid)   # every colour's: grey
+    tok, seen = proc.tokenizer, data.downscale(zoom_image("red", ZOOM_CELL * 2 * grid), *bounds, grid)   # all: grey
     call, words = zoom_call(seen.width, norm), sorted(ZOOM_COLOURS)
     reply = toolbox.response(proc, [seen])   # the tool message around an image (the image's own tokens: its size's)
-    heads = [proc(text=[q] * n, images=[seen] * n, return_tensors="pt") for q, n in ((prompt, batch), (order, told),
-                                                                                   (prompt, told))]
+    heads = [proc(text=[q] * n, images=[seen] * n, return_tensors="pt")   # the same every step
+             for q, n in ((prompt, batch), (order, told), (prompt, told))]
     first = torch.zeros(len(tok), dtype=torch.float32)   # ZOOM_QUESTION's first token: call, or a colour at random
     first[tok.convert_tokens_to_ids("<tool_call>")] = share
     first[tok.convert_tokens_to_ids(words)] = (1 - share) / len(words)
@@ -524,8 +524,8 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
 # white 56 x 56 clip of 8 frames (2 a second, 4 s) one way, left, right, up or down, a patch (14 px) a frame, wrapping
 # round at the edges. It starts on any of the 16 patches, so every single frame is alike whichever way it moves (with
 # the wrap, each frame's square is uniform over them): an image-blind or one-frame policy is at chance, 0.25. The way
-# shows only across frames: two frames make one token (its patch embedding sees both), and in each pair the square's
-# leading side fills a band of patches and its trailing side empties one, a patch apart. The square of one patch
+# shows only across frames: two frames make one token (its patch embedding sees both), and in each pair two patches
+# fill on the square's leading side and two empty on its trailing side. The square of one patch
 # before it (issue 45) was learned supervised by the small model (0.70 at 400 steps), not by the tiny one, nor by GRPO
 # in 237 steps (docs/demos.md); twice its side, the tiny model learns the way supervised in 60-80 steps (16 clips a
 # step), and its first frame alone, shown as the whole clip, stays at chance.

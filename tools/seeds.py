@@ -89,11 +89,12 @@ def plot(task, seeds, png):
                     ax.plot(*zip(*pts), "o-" if key == "val/reward" else "-", color=colour, alpha=0.7, markersize=3,
                             label=name if seed == seeds[0] else None)
                 ax.set_title(title, fontsize=10)
-                ax.set_xlabel("step")
+                ax.set_xscale("symlog", linthresh=10)   # the first 10 steps linear: a demo may learn there
+                ax.set_xlabel("step (linear to 10, then log)")
                 ax.set_ylim(-0.02, 1.02)
                 ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"{task}: seeds {', '.join(map(str, seeds))}, each beside its control", fontsize=10)
+    fig.suptitle(f"{task}: seeds {', '.join(map(str, seeds))}, each beside its control", fontsize=10, y=1.03)
     fig.savefig(png, dpi=100, bbox_inches="tight")
     print(png)
 
