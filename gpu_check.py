@@ -504,9 +504,16 @@ def qwen3_5_training_and_vllm(box):
 
 
 # routing_replay's runs: the tiny mixture-of-experts families in bf16 under the launcher, each with and without
-# --routing_replay (tests/test_moe.py parses them and passes them through check_args)
+# --routing_replay (tests/test_moe.py parses them and passes them through check_args). Every completion must end by a
+# stop token, as a real model's do: then the last one to finish leaves a batch that vLLM's async scheduling had
+# already queued, the case that crashed the second step (issue 42; rollout.engine_kwargs turns it off). A completion
+# ended by its length leaves none (vLLM's scheduler knows max_tokens ahead), as with the 16 tokens these runs had.
+# The random-init tiny models draw a stop token at 0.3-2% a token; at 8,192 tokens the chance that any of a step's
+# completions (512) runs to the end is below 1e-4 (tests/test_moe.py measures it on CPU).
+REPLAY_MAX_TOKENS = 8192
 ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_arch", arch, "--max_completion_length",
-                                                              "16", *(["--routing_replay"] if on else []), *SHORT]
+                                                              str(REPLAY_MAX_TOKENS),
+                                                              *(["--routing_replay"] if on else []), *SHORT]
                        for arch in ("qwen3_vl_moe", "qwen3_5_moe") for on in (False, True)}
 
 
@@ -516,7 +523,9 @@ def routing_replay(box):
     without it: vLLM returns each completion's routed experts (enable_return_routed_experts, its V2 runner and prefix
     caching), update's forward replays them, and rollout/logp_diff_max and _mean of each step are reported both ways.
     Fails if a replay run does not train, or if its first step (the weights and seeds of the run without it, so the
-    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02)."""
+    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02), or if a
+    completion of the first step ran to its length instead of ending by a stop token (then the second step's sync
+    did not follow a queued batch: issue 42's crash went untested)."""
     need_vllm()
     import train
     out = {}
@@ -531,6 +540,9 @@ def routing_replay(box):
         rows = training_rows([json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))])
         assert len(rows) == train.parse_args(flags).max_steps and all(math.isfinite(r["train/loss"]) for r in rows)
         out[name] = {k: [r[f"rollout/logp_diff_{k}"] for r in rows] for k in ("max", "mean")}
+        out[name]["truncated"] = [r["completion/truncated"] for r in rows]
+        assert rows[0]["completion/truncated"] == 0, f"{name}: {rows[0]['completion/truncated']:.2%} of step 1's " \
+            f"completions ran to --max_completion_length {REPLAY_MAX_TOKENS} (issue 42's case needs stop tokens)"
     for arch in ("qwen3_vl_moe", "qwen3_5_moe"):
         without, replay = out[arch]["max"][0], out[f"{arch}_replay"]["max"][0]
         assert replay <= without + 0.02, f"{arch}: rollout/logp_diff_max {replay:.3g} replayed, {without:.3g} without"
