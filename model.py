@@ -268,13 +268,36 @@ def replay_routing(hf_model, routed):
     router's own top-k), or None (every router its own). The setting stays until the next forward, so that the
     backward's recompute of a checkpointed decoder layer routes as its forward did. -> per sparse layer its (R x T,
     k) ids, in the order of the router logits (router_stats' `chosen`), or None."""
+    routers = sparse_routers(hf_model)
+    if routed is not None:
+        check_routing(routed, [layer for layer, _ in routers], hf_model.config.get_text_config().num_experts)
     replays = []
-    for layer, gate in sparse_routers(hf_model):
+    for layer, gate in routers:
         if not hasattr(gate, "replay"):   # once per router: it acts only while gate.replay is set
             gate.register_forward_hook(replayed_experts)
         gate.replay = None if routed is None else routed[:, :, layer].reshape(-1, routed.shape[-1]).long()
         replays.append(gate.replay)
     return None if routed is None else replays
+
+
+def check_routing(routed, layers, num_experts):
+    """Refuse a recorded routing that is none before it is replayed: routed (R, T, L, k), routing_replay_inputs'
+    layout (-1: nothing recorded); `layers`: the sparse layers' indices on its L axis (a dense layer's are vLLM's
+    zeros). Each recorded token of a sparse layer names k distinct experts below num_experts, as a top-k does. vLLM
+    returns zeros where its capture did not write (RoutedExpertsCapturer's buffer starts at zero): replayed, every
+    token would go through expert 0, k times, with no error (issue 42)."""
+    ids = routed[:, :, layers].long()                                                           # (R, T, S, k)
+    recorded = (ids >= 0).any(-1)                                                               # (R, T, S)
+    ordered = ids.sort(dim=-1).values
+    bad = recorded & ((ids < 0).any(-1) | (ids >= num_experts).any(-1) | (ordered[..., 1:] == ordered[..., :-1]).any(-1))
+    if bad.any():
+        r, t, s = bad.nonzero()[0].tolist()
+        zeros = int((recorded & (ids == 0).all(-1)).sum())
+        raise ValueError(f"--routing_replay: vLLM's recorded routing is not a top-{ids.shape[-1]} of {num_experts} "
+                         f"experts at {int(bad.sum())} of {int(recorded.sum())} (token, sparse layer) pairs, the first "
+                         f"at row {r}, token {t}, layer {layers[s]}: {ids[r, t, s].tolist()}"
+                         + (f"; {zeros} are all zeros, what vLLM returns where its capture did not run (every token "
+                            f"would go through expert 0)" if zeros else "") + ". Not replayed.")
 
 
 def replayed_experts(gate, args, out):

@@ -381,8 +381,12 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=Fal
         llm.collective_rpc(_repack_tied_lm_head)
     if config is not None and model_py.family(config)["sparse_block"] and not CUDA:
         llm.collective_rpc(_repack_fused_experts)
-    # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
-    llm.reset_prefix_cache()
+    # Stale prefix KV or encoder outputs computed with the old weights would be reused silently. vLLM's reset returns
+    # False and keeps the cache while a request still holds KV blocks (vllm/v1/core/block_pool.py, reset_prefix_cache).
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache after the weight sync: a request still holds KV "
+                           "blocks (one left running or in flight past generate), and the next rollout would reuse "
+                           "prompt KV computed with the old weights")
     llm.llm_engine.reset_encoder_cache()
     return max(sizes, default=0), sum(sizes)
 

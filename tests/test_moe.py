@@ -419,6 +419,32 @@ def test_replayed_routing_keeps_the_router_trainable(arch):
     assert all(torch.allclose(ckpt_grads[n], moved_grads[n], atol=1e-6, rtol=1e-4) for n in moved_grads)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_recorded_routing_that_is_no_top_k_is_refused(arch):
+    """Issue 42, point 9: the routing handed to the training forward must be a top-k of each sparse layer's experts,
+    k distinct ids below their count. vLLM's zeros where its capture did not write (a failed capture) would send every
+    token through expert 0, k times, and an id past the experts would fail deep in the router's gather; both are
+    refused by name before replaying. The router's own choice passes. Fails before: the zeros replay silently."""
+    m, args = load(arch)
+    batch = batch_of(arch, args)
+    with experts_used(m) as used:
+        m(**batch)
+    own = used.forward(0, batch["input_ids"].shape).to(torch.int16)                      # (B, T, L, k)
+    m(**batch, routed_experts=own)
+    layers, E = [layer for layer, _ in model_py.sparse_routers(m)], m.config.get_text_config().num_experts
+    failed = own.clone()
+    failed[:, :, layers[0]] = 0
+    with pytest.raises(ValueError, match=r"all zeros, what vLLM returns where its capture did not run"):
+        m(**batch, routed_experts=failed)
+    beyond = own.clone()
+    beyond[1, -2, layers[-1], 0] = E
+    with pytest.raises(ValueError, match=rf"of {E} experts at 1 of \d+ .* row 1, token {beyond.shape[1] - 2}, "
+                                         rf"layer {layers[-1]}: \[{E}, "):
+        m(**batch, routed_experts=beyond)
+    unrecorded = torch.full_like(own, -1)
+    m(**batch, routed_experts=unrecorded)   # -1: nothing recorded, the router's own choice
+
+
 class PlainEngine:
     """The HF model where train.update takes a DeepSpeed engine: its forward and backward, no optimizer step."""
     def __init__(self, m):
