@@ -16,8 +16,9 @@ then train.py itself under the launcher (two steps each): the production cycle, 
 earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
 --offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
 mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training).
-Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel, and
-which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback).
+Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
+which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), and the
+vision tower's attention as one varlen call per layer against transformers' loop over its windows.
 
 On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
 On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
@@ -315,6 +316,74 @@ def shared_prefix_equals_standard(box):
     fp32 = prefix_agreement(box, "cuda", torch.float32)
     assert fp32["logp_diff_max"] <= 1e-4 and fp32["grad_rel_diff_max"] <= 1e-3, fp32
     return {"float32": fp32, "bfloat16": prefix_agreement(box, "cuda", torch.bfloat16)}
+
+
+# 8 images of a Qwen2.5-VL-7B's token counts (merged tokens, h x w; issue 42: 1,036-1,296 each)
+VISION_IMAGES = [(28, 37), (36, 36), (32, 40), (30, 36), (34, 34), (29, 40), (36, 31), (33, 38)]
+
+
+def vision_tower_agreement(device, dtype, images=VISION_IMAGES, **widths):
+    """A Qwen2.5-VL-7B vision tower of 2 blocks (planner.builtin_config's, random init: one windowed block, one full)
+    on `images` (merged tokens, h x w each), `widths` overriding the config's: forward and backward through
+    transformers' sdpa loop and through model.vision_attention (block_attention: torch's varlen flash kernel where
+    sdpa's flash kernel runs, else one padded sdpa call per group of lengths) -> the largest difference of the
+    output and of the gradients, each relative to its largest value, each path's attention calls (profiler: sdpa's
+    and the varlen op's) and seconds (after a warm-up, without the profiler)."""
+    from torch.profiler import profile
+    from transformers import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    import planner
+    cfg = Qwen2_5_VLVisionConfig(**{**planner.builtin_config("qwen2.5-vl-7b").vision_config.to_dict(),
+                                    "depth": 2, "fullatt_block_indexes": [1], **widths})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(cfg).to(device=device, dtype=dtype)
+    grids = torch.tensor([[1, 2 * h, 2 * w] for h, w in images], device=device)
+    patches = torch.randn(int(grids.prod(-1).sum()), cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2,
+                          device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        tower.zero_grad(set_to_none=True)
+        out = tower(patches, grid_thw=grids).pooler_output
+        out.float().square().mean().backward()
+        return out.detach().float(), {n: p.grad.float() for n, p in tower.named_parameters()}
+    got = {}
+    for path in ("loop", "one_call"):
+        if path == "one_call":
+            policy_model.install_vision_attention(tower)
+        run()   # warm-up
+        sync()
+        t0 = time.time()
+        out, grads = run()
+        sync()
+        seconds = time.time() - t0
+        with profile() as prof:   # the calls, apart: the profiler's cost per op would weigh on the loop's time
+            run()
+        calls = {e.key: e.count for e in prof.key_averages()
+                 if e.key in ("aten::scaled_dot_product_attention", "torch_attn::_varlen_attn")}
+        got[path] = out, grads, calls, seconds
+    (a, ga, *_), (b, gb, *_) = got["loop"], got["one_call"]
+    return {"output_rel_diff": ((a - b).abs().max() / a.abs().max()).item(),
+            "grad_rel_diff_max": max(((ga[n] - gb[n]).abs().max() / ga[n].abs().max().clamp(min=1e-20)).item()
+                                     for n in ga),
+            "calls": {path: v[2] for path, v in got.items()}, "seconds": {path: v[3] for path, v in got.items()},
+            "patches": patches.shape[0]}
+
+
+@item
+def vision_attention_one_call(box):
+    """The vision tower's attention as one call per layer (model.vision_attention) against transformers' sdpa loop
+    (one call per window or image), on a 7B-wide tower of 2 blocks and 8 images of a 7B's token counts, forward and
+    backward: in bf16 through torch's varlen flash kernel (one call a block asserted; outputs and gradients within
+    bf16's 5e-2 of the loop's), in fp32 through the padded sdpa path (1e-4); each path's calls and seconds."""
+    bf16 = vision_tower_agreement("cuda", torch.bfloat16)
+    assert bf16["calls"]["one_call"].get("torch_attn::_varlen_attn") == 2, bf16["calls"]
+    assert bf16["output_rel_diff"] <= 5e-2 and bf16["grad_rel_diff_max"] <= 5e-2, bf16
+    fp32 = vision_tower_agreement("cuda", torch.float32, images=VISION_IMAGES[:2])
+    assert fp32["output_rel_diff"] <= 1e-4 and fp32["grad_rel_diff_max"] <= 1e-4, fp32
+    return {"bfloat16": bf16, "float32": fp32}
 
 
 @item

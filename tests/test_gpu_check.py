@@ -259,3 +259,17 @@ def test_gdn_prefill_backend_flag_reaches_vllms_resolver(cuda, monkeypatch):
         chosen[value] = gdn._resolve_gdn_prefill_backend(types.SimpleNamespace(
             additional_config=engine_args.additional_config, model_config=model_config))
     assert chosen == {None: ("auto", "flashinfer"), "triton": ("triton", "triton")}
+
+
+def test_vision_attention_item_body_runs_on_cpu():
+    """vision_tower_agreement, the body of vision_attention_one_call, on this CPU at a narrow width (the 7B tower's
+    blocks and windows, 4 heads of 16): the padded path's outputs and gradients equal transformers' loop's, one sdpa
+    call per length of segment against one per window or image (the varlen op cannot run here: none)."""
+    figures = gpu_check.vision_tower_agreement("cpu", torch.float32, images=[(8, 10), (6, 6)], hidden_size=64,
+                                               num_heads=4, intermediate_size=128, out_hidden_size=64)
+    assert figures["output_rel_diff"] < 1e-5 and figures["grad_rel_diff_max"] < 1e-4, figures
+    windows = 2 * 3 + 2 * 2   # windows of 4 x 4 merged tokens: (8, 10) -> 2 x 3, (6, 6) -> 2 x 2
+    assert figures["calls"]["loop"] == {"aten::scaled_dot_product_attention": windows + 2}, figures
+    # one call per length: windows of 64, 32 and 16 patches in the windowed block, images of 320 and 144 in the full
+    assert figures["calls"]["one_call"]["aten::scaled_dot_product_attention"] == 3 + 2, figures
+    assert "torch_attn::_varlen_attn" not in figures["calls"]["one_call"]
