@@ -15,7 +15,9 @@ and 2: sleep -> wake weights -> bucketed sync -> wake KV -> generate, vLLM vs tr
 then train.py itself under the launcher (two steps each): the production cycle, and the paths behind
 earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
 --offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
-mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training).
+mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training, every
+completion ended by a stop token), --tools (the zoom task's crops between turns) and videos (the motion task);
+and vLLM's GPU sampler under top-k / top-p against the trainer's truncated log-probs.
 Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
 which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), and the
 vision tower's attention as one varlen call per layer against transformers' loop over its windows.
@@ -423,6 +425,9 @@ RUNS = {
     "frozen_tower_offload_model": ["--bf16", "--freeze_vision_tower", "--zero_offload", "none", "--offload_model",
                                    *SHORT],   # to be refused
     "qwen3_5": ["--bf16", "--tiny_arch", "qwen3_5", "--sleep_level", "1", *SHORT],
+    "tools": ["--bf16", "--tiny_task", "zoom", "--sleep_level", "1", *SHORT],   # --tools crop, 2 turns at most
+    "video": ["--bf16", "--tiny_task", "motion", "--sleep_level", "1", *SHORT],   # --limit_videos 1
+    "video_fp32": ["--no-bf16", "--tiny_task", "motion", "--sleep_level", "1", *SHORT],
 }
 PRODUCTION = RUNS["production"]   # the production cycle's flags (tests/test_memory.py plans them)
 # transformers' warning when a function runs its PyTorch reference code for want of a kernel package
@@ -572,6 +577,37 @@ def qwen3_5_training_and_vllm(box):
                                  if "linear attention in training" in line][:1]}   # the set-up log's line
 
 
+@item
+def tools_multi_turn(box):
+    """--tools on this GPU: the zoom task (its model's prior calls the crop tool) in bf16 with sleep level 1 under the
+    launcher, two steps: every live trajectory a turn per generate call, the crop's image back into vLLM between
+    turns (its processor cache sized for a step: toolbox.processor_cache_gb), the multi-turn log-probs in training.
+    Fails unless every step's trajectories called the tool and took a second turn (tools/turns_max 2)."""
+    need_vllm()
+    rows, _ = trained(box, "tools")
+    figures = {k: [r.get(k) for r in rows] for k in ("tools/calls_mean", "tools/failure_frac", "tools/turns_max",
+                                                      "rollout/logp_diff_max", "train/loss")}
+    assert all(r["tools/turns_max"] == 2 and r["tools/calls_mean"] > 0 for r in rows), figures
+    return {"steps": len(rows), **figures}
+
+
+@item
+def video_with_vllm(box):
+    """Videos on this GPU: the motion task (one video a prompt, its frames chosen and downscaled once: data.load_video)
+    under the launcher, two steps in bf16 and two in fp32 with sleep level 1: vLLM's video path (its processor and the
+    normalization it does on the device, rollout.engine_kwargs) beside training's M-RoPE positions of the same frames
+    (model.rope_index). Fails unless both train and the fp32 run's vLLM and trainer log-probs agree within 1e-3
+    (vllm_sleep_levels' 1e-4 on images; tests/test_video.py: 1e-4 on CPU); bf16's gap is reported."""
+    need_vllm()
+    out = {}
+    for name in ("video", "video_fp32"):
+        rows, _ = trained(box, name)
+        out[name] = {k: [r.get(k) for r in rows] for k in ("rollout/logp_diff_max", "rollout/logp_diff_mean",
+                                                           "train/loss")}
+    assert max(out["video_fp32"]["rollout/logp_diff_max"]) <= 1e-3, out
+    return out
+
+
 # routing_replay's runs: the tiny mixture-of-experts families in bf16 under the launcher, each with and without
 # --routing_replay (tests/test_moe.py parses them and passes them through check_args). Every completion must end by a
 # stop token, as a real model's do: then the last one to finish leaves a batch that vLLM's async scheduling had
@@ -680,6 +716,69 @@ def vllm_case(box, level, dtype):
             "gc_empty_cache_freed_gb": freed / GB, "torch_threads_after_engine_start": threads}
 
 
+# (top_k, top_p) pairs: the nucleus alone, top-k alone, both (top-k first, then the nucleus of the rest: vLLM's order)
+TRUNCATIONS = ((0, 0.9), (0, 0.5), (5, 1.0), (5, 0.8), (50, 0.95))
+
+
+def sampler_agreement(box, llm, model, device, truncations=TRUNCATIONS, n=8, max_tokens=8):
+    """vLLM's processed log-prob of each token it sampled under top-k / top-p against the trainer's log-prob of the
+    same token under the same grpo.Sampling record, truncated as the trainer mirrors the sampler (logps - log_kept:
+    grpo._log_kept, a sort and a cumulative sum; vLLM's GPU sampler truncates by a Triton pivot search,
+    vllm/v1/sample/ops/topk_topp_triton.py, its CPU one by a sort as the trainer does) -> per (top_k, top_p) the
+    largest and mean gap and the tokens compared. `model` on `device`, eval."""
+    import data
+    import rollout
+    out = {}
+    reqs = [data.vllm_request(s) for s in box.samples]
+    for top_k, top_p in truncations:
+        sampling = grpo.Sampling(temperature=0.9, top_k=top_k, top_p=top_p, banned=box.sampling.banned)
+        sps = [rollout.sampling_params(sampling, n=n, max_tokens=max_tokens, logprobs=0, seed=100 + i)
+               for i in range(len(reqs))]
+        comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
+        seqs = [s for s in box.samples for _ in range(n)]
+        batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id,
+                             box.banned.tolist())
+        with torch.no_grad():
+            ts = model(**{k: v.to(device) for k, v in batch.items()}, sampling=sampling, with_kept=True)
+        mine = (ts.logps - ts.log_kept).float().cpu()                                        # (B, C)
+        C = mine.shape[1]   # completions right-aligned (data.collate)
+        gaps = [abs(mine[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
+                for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
+        out[f"top_k={top_k},top_p={top_p}"] = {"logp_diff_max": max(gaps), "logp_diff_mean": sum(gaps) / len(gaps),
+                                               "tokens": len(gaps)}
+    return out
+
+
+def sampler_case(box, dtype):
+    """In a fresh process (one engine per process, as vllm_case): the engine and the trainer's model of box.model in
+    `dtype` on this GPU, the same weights from the same checkpoint -> sampler_agreement's figures."""
+    import rollout
+    args = argparse.Namespace(**{**vars(box.args), "sleep_level": 0, "vllm_gpu_memory_utilization": 0.3})
+    llm = rollout.create_engine(box.model, args, dtype, 64, 0)
+    model = policy_model.load_model(box.model, args, getattr(torch, dtype)).cuda().eval()
+    return sampler_agreement(box, llm, model, "cuda")
+
+
+@item
+def sampler_top_k_top_p(box):
+    """Top-k and top-p on vLLM's GPU sampler (a Triton pivot search, not the sort grpo._log_kept mirrors): for each
+    truncation of TRUNCATIONS vLLM's processed log-prob of every token it drew against the trainer's truncated log-prob
+    of it (logps - log_kept) at the same weights, fp32 asserted (1e-4, vllm_sleep_levels' bound), bf16 reported.
+    A kept set that differs between the two (a tie or a rounding at the cut) shows as a gap."""
+    need_vllm()
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        path = os.path.join(box.out, f"sampler_{dtype}.json")
+        r = subprocess.run([sys.executable, __file__, "--sampler_case", dtype, "--out", box.out, "--model", box.model],
+                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port())))
+        if r.returncode != 0:
+            raise RuntimeError(f"{dtype}: {(r.stdout + r.stderr)[-2000:]}")
+        out[dtype] = json.load(open(path))
+    bad = {k: f for k, f in out["float32"].items() if f["logp_diff_max"] > 1e-4}
+    assert not bad, bad
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model dir; default: the embedded tiny model")
@@ -688,6 +787,7 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print the items, one line each, and exit")
     p.add_argument("--dev", default="/dev", help=argparse.SUPPRESS)   # where find_gpu looks for nvidia0 (tests: a fake)
     p.add_argument("--vllm_case", nargs=2, default=None, help=argparse.SUPPRESS)   # LEVEL DTYPE, in a fresh process
+    p.add_argument("--sampler_case", default=None, help=argparse.SUPPRESS)   # DTYPE, in a fresh process
     a = p.parse_args(argv)
     if a.list:
         for name, fn in ITEMS.items():
@@ -717,6 +817,9 @@ def main(argv=None):
     deepspeed.init_distributed()
     report["device"] = torch.cuda.get_device_name(0)
     box = Box(a.model, a.out)
+    if a.sampler_case:
+        json.dump(sampler_case(box, a.sampler_case), open(os.path.join(a.out, f"sampler_{a.sampler_case}.json"), "w"))
+        return 0
     if a.vllm_case:
         level, dtype = int(a.vllm_case[0]), a.vllm_case[1]
         json.dump(vllm_case(box, level, dtype), open(os.path.join(a.out, f"vllm_level{level}_{dtype}.json"), "w"))
