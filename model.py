@@ -357,7 +357,7 @@ def vision_attention(self, hidden_states, cu_seqlens, position_embeddings=None, 
     and their mixture-of-experts variants), whose sdpa path loops in Python over the segments of cu_seqlens, one call
     per window of Qwen2.5-VL's windowed blocks and per image (or frame) of its full-attention blocks and of the other
     families' towers: 4,488 calls for 8 images on an H200, 31,760 for 64 (issue 42). Here one block-diagonal call per
-    layer (block_attention), the same attention (tests/test_model.py checks it against the loop)."""
+    layer (block_attention), the same attention (tests/test_vision_attention.py checks it against the loop)."""
     T = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(T, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)   # (T, heads, d)
     cos, sin = position_embeddings
@@ -384,14 +384,15 @@ def block_attention(q, k, v, cu_seqlens, scale, varlen=None):
     block-diagonal's T x T work. Segments of lengths so unequal that padding would add more than a tenth to the work
     go in groups of their own, one call each (_length_groups): on CPU the attention's work, not the calls, sets the
     time (bench.py: 1.25 calls a layer on 2 images of 1,036 and 1,296 tokens, the loop's CPU time)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     if varlen is None:   # sdpa pads other head widths before its flash kernel; varlen_attn calls it as they are
         varlen = q.shape[-1] % 8 == 0 and torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(
             *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, 0.0, False, False))
     if varlen:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), scale=scale)
-    starts, groups, outs, rows = cu_seqlens[:-1].tolist(), _length_groups(lengths), [], []
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale)
+    lengths, starts = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), cu_seqlens[:-1].tolist()
+    groups, outs, rows = _length_groups(lengths), [], []
     for group in groups:
         n = torch.tensor([lengths[i] for i in group], device=q.device)                         # (S,)
         pos = torch.arange(int(n.max()), device=q.device)                                       # (L,)
