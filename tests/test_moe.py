@@ -635,10 +635,11 @@ def test_the_gpu_check_replay_runs_end_by_a_stop_token(arch):
     """gpu_check's routing_replay runs must end every completion by a stop token (issue 42: only then does the last
     one leave a queued batch behind). The tiny model's probability of its stop tokens, the banned ids at 0, along a
     sampled completion of a prompt of the run's task: the chance that any completion of a step runs to the runs'
-    --max_completion_length at the lowest of them is below 1e-4."""
+    --max_completion_length at the lowest of them is below 1e-4; and the runs still fit one 80 GB GPU's plan."""
     from transformers import AutoProcessor, GenerationConfig
 
     import gpu_check
+    import planner
     args = train.parse_args(gpu_check.ROUTING_REPLAY_RUNS[f"{arch}_replay"])
     m, _ = load(arch, torch.float32, "--routing_replay")
     model_dir, train_jsonl, _ = tiny_of(arch)
@@ -656,3 +657,5 @@ def test_the_gpu_check_replay_runs_end_by_a_stop_token(arch):
         ids = torch.cat([ids, torch.multinomial(p.index_fill(0, torch.tensor(stops), 0.0), 1, generator=generator)[None]], 1)
     completions = args.rollout_batch_size * args.num_generations
     assert completions * (1 - min(p_stop)) ** args.max_completion_length < 1e-4, (min(p_stop), completions)
+    args.model = model_dir   # train.py's preflight
+    planner.preflight(args, planner.Cluster(1, 1, 80.0, 256.0, cuda=True))
