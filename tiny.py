@@ -30,7 +30,7 @@ import data
 import model as model_py
 import toolbox
 
-VERSION = "v7"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v8"  # bump when anything below changes, so cached copies are rebuilt (v8: the taught models' experts)
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -354,7 +354,7 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
         picks = rng.sample(rows, batch)
         images = [Image.open(os.path.join(task_dir, r["image"])).convert("RGB") for r in picks]
         supervised_step(model, proc, opt, prompt, n_prompt, images, [box_text(random_box(rng)) for _ in picks])
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
 # The zoom task (--tiny_task zoom, --tools crop): a chequered square at the centre of a 448 x 448 grey image, its
@@ -430,7 +430,7 @@ def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
         if step % 5:   # four in five: a call
             sample = dict(images=[seen], sources=[zoom_image(colour)], pixel_bounds=(lo, hi, grid))
             call = zoom_call(seen.width)
-            parts, error = toolbox.run_call(call, sample, ["crop"])
+            parts, error, _ = toolbox.run_call(call, sample, ["crop"])
             assert error is None, error
             segments += [(tok(call, return_tensors="pt"), True),
                          (proc(text=[toolbox.response(proc, parts)], images=parts, return_tensors="pt"), False)]
@@ -444,7 +444,7 @@ def teach_zoom_format(model_dir, task_dir, steps=1000, seed=0):
         (loss * (labels != -100).sum() / 16).backward()   # a sum over tokens: the call's first token weighs as an answer's
         opt.step()
         opt.zero_grad()
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
 # The motion task (--tiny_task motion): a black square of one patch (14 px) slides across a white 56 x 56 clip of 8
