@@ -156,7 +156,7 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
                                 max_steps=300),   # a box: 12 tokens + stop
               # the call (13 tokens: tiny.CALL_PIECES) and a one-word answer; the prompt holds the tool's schema;
               # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
-              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576, limit_images=2,
+              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576,
                            rollout_batch_size=32, num_generations=8, beta=0.04),
               # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them); the
               # small model: the tiny one did not learn which way even supervised (tiny.py, docs/demos.md)
@@ -177,6 +177,8 @@ def parse_args(argv=None):
                           **TINY_TASKS.get(args.tiny_task, {})})
         args = p.parse_args(argv)
     args.explicit = explicit(argv)
+    if "limit_images" not in args.explicit:   # --tools that return images: room for one a turn (said at start)
+        args.limit_images = toolbox.image_limit(args, args.limit_images)
     return args
 
 
@@ -207,6 +209,10 @@ def inert_flags(args):
     if clip and args.num_iterations == 1:
         notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
                      "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
+    if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
+        notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
+                     f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
+                     f"{args.max_turns - 1} tool images it may get; a later call's image is refused (tools/failure_frac)")
     if "scale_rewards" in given and args.advantage_estimator != "grpo":
         notes.append(f"--scale_rewards acts only with --advantage_estimator grpo (this run: {args.advantage_estimator})")
     return notes
@@ -276,6 +282,11 @@ def check_args(args, world, local=None):
          f"--limit_videos {args.limit_videos} >= 0")
     need(args.video_min_pixels is None or args.video_max_pixels is None or args.video_min_pixels <= args.video_max_pixels,
          f"--video_min_pixels {args.video_min_pixels} > --video_max_pixels {args.video_max_pixels}")
+    images = [t for t in args.tools if toolbox.returns_images(t)]
+    need(not images or args.limit_images >= 2, f"--tools {' '.join(images)} return images and --limit_images "
+         f"{args.limit_images} leaves them no room beside a prompt's image: every call's image would be refused. Leave "
+         f"--limit_images out (then {toolbox.image_limit(args)}: a prompt's image and one for each turn after a call, "
+         f"--max_turns {args.max_turns} - 1) or give at least 2")
     need(not (args.tools and args.limit_videos), "--tools with --limit_videos > 0: trajectories with tools take images, "
          "not videos (not built)")
     need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),

@@ -90,6 +90,8 @@ def setup(args):
     os.makedirs(args.output_dir, exist_ok=True)
     processor = AutoProcessor.from_pretrained(args.model)
     args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)   # the model's grid and bounds by default
+    if rank == 0 and args.tools:   # the image limit, what the tools' images may take, the time a call gets
+        print(toolbox.started_line(args, args.rollout_batch_size // world * args.num_generations), flush=True)
     cfg = model.ds_config(args, gas, world, bf16)
     report = planner.preflight(args, this_cluster(local_world, world), allow=args.skip_memory_preflight)
     if rank == 0:   # a run that would run out is refused above, before anything is loaded
