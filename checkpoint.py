@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import flags
 import job
 import model
 import planner
@@ -534,26 +535,14 @@ def disk_full(error, output_dir, last):
 
 
 # ----------------------------------------------------------------------------- a relaunch's flags
-# A relaunch that changes one of these flags is refused by name: it would go on from another run's weights,
-# data position or objective as if they were its own. Every other flag only steers the rest of the run
-# (learning rate and schedule, steps, saving, validation, logging, the memory levers): applied, and said.
-CHANGES_THE_STATE = {
-    **dict.fromkeys(("model", "tiny_arch", "tiny_size", "bf16", "optimizer", "use_peft", "lora_r", "lora_alpha",
-                     "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"),
-                    "the model and its optimizer state"),
-    **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
-                     "max_prompt_length", "limit_images", "min_pixels", "max_pixels"),
-                    "the data and the position in it"),
-    **dict.fromkeys(("num_generations", "rollout_batch_size"), "the group size and the batch"),
-    **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef", "loss_agg",
-                     "advantage_estimator", "scale_rewards", "importance_sampling_level",
-                     "vllm_importance_sampling_correction", "vllm_importance_sampling_cap", "dynamic_sampling",
-                     "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature", "top_p", "top_k",
-                     "max_completion_length", "tools", "max_turns"), "the loss, the rewards and the sampling"),
-}
-# set-up decides these after the comparison, when no launch gave them: compared only where one did
+# A relaunch that changes a flag of flags.CHANGES_THE_STATE is refused by name: it would go on from another run's
+# weights, data position or objective as if they were its own. Every other flag (flags.STEERS) only steers the rest
+# of the run: applied, and said. The rule and every flag's side of it are in flags.py, next to the flags.
+CHANGES_THE_STATE = flags.CHANGES_THE_STATE
+# set-up decides these after the comparison (limit_images: parse_args derives it), when no launch gave them: compared
+# only where one did
 DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
-                    "offload_model"}
+                    "offload_model", "limit_images"}
 NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data"}
 
 

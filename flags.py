@@ -129,7 +129,7 @@ def build_parser():
     g.add_argument("--log_completions_steps", type=int, default=50, help="a wandb table of rank 0's completions (image, prompt, completion, rewards) every this many steps (0: never)")
     g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
     g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (checkpoint.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
+    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (flags.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
     g.add_argument("--accept_changed_data", action="store_true", help="resume although --train_data's contents changed since the checkpoint (rows appended, removed or reordered: its fingerprint is in the checkpoint): a fresh epoch starts over the rows as they are now, and the rewards history is kept by sample identity; without it such a resume is refused by name")
     g.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
     g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
@@ -137,6 +137,44 @@ def build_parser():
     g.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
     g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
+
+
+# What a relaunch into a run's folder may change (checkpoint.changed_flags): one rule, and every flag of build_parser
+# classified by it below (tests/test_flags.py fails on a flag in neither). A flag that changes what the saved state
+# means names what it changes, and a resume that changes it is refused by name (--accept_changed_flags overrides):
+# which model and which of its parts train; the data, its order, and what the model sees of a sample (the prompt,
+# its images' and videos' pixels, frames and counts); the group and the batch; the objective (the loss, the
+# rewards, the sampling, the tools and turns). Every other flag steers the rest of the run (the optimiser's rates,
+# schedule, decay and clipping; how long; saving, validation, logging; the memory and speed levers, which leave
+# the loss as it is) and is applied and said.
+MODEL, DATA, GROUP, OBJECTIVE = ("the model and its optimizer state", "the data and the position in it",
+                                 "the group size and the batch", "the loss, the rewards and the sampling")
+CHANGES_THE_STATE = {
+    **dict.fromkeys(("model", "tiny_arch", "tiny_size", "bf16", "optimizer", "use_peft", "lora_r", "lora_alpha",
+                     "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"), MODEL),
+    **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
+                     "max_prompt_length", "limit_images", "min_pixels", "max_pixels", "limit_videos", "video_fps",
+                     "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels"), DATA),
+    **dict.fromkeys(("num_generations", "rollout_batch_size"), GROUP),
+    **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef",
+                     "router_aux_loss_coef", "routing_replay", "loss_agg", "advantage_estimator", "scale_rewards",
+                     "importance_sampling_level", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
+                     "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature", "top_p",
+                     "top_k", "max_completion_length", "tools", "max_turns"), OBJECTIVE),
+}
+STEERS = {
+    "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
+    "per_device_train_batch_size", "shared_prefix", "micro_batch_tokens", "max_micro_batch",   # the same loss, laid out
+    "learning_rate", "warmup_steps", "lr_scheduler_type", "weight_decay", "max_grad_norm", "lora_dropout", "max_steps",
+    "overlong_prompt",   # skip or stop: a prompt that is skipped either way
+    "gradient_checkpointing", "attn_implementation", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+    "vllm_cpu_kv_cache_mb", "vllm_enforce_eager", "vllm_gdn_prefill_backend", "sleep_level", "gc_collect_after_offload",
+    "sync_bucket_mb", "logprob_chunk_tokens", "zero_offload", "offload_optimizer", "offload_model", "ref_offload",
+    "lora_sync", "export_merged", "memory", "skip_memory_preflight", "plan", "deepspeed", "ds_set",
+    "val_freq", "val_before_train", "val_only", "report_to", "wandb_project", "run_name", "log_completions",
+    "log_completions_steps", "save_steps", "save_total_limit", "accept_changed_flags", "accept_changed_data", "resume",
+    "save_final_model", "local_rank",
+}
 
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
