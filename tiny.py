@@ -322,11 +322,13 @@ def box_prompt(proc):
 
 
 def supervised_step(model, proc, opt, prompt, n_prompt, images, answers):
-    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). All
-    answers have the same number of tokens (box_text), so nothing is padded."""
-    enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, return_tensors="pt")
+    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). A box is 12 tokens in the
+    word-level vocabulary (box_text); the byte-level BPE of the Qwen3.5 families writes a number's digits one token
+    each, so its answers are padded on the right, and the padding masked."""
+    enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, padding=True, return_tensors="pt")
     labels = enc["input_ids"].clone()
     labels[:, :n_prompt] = -100
+    labels[enc["attention_mask"] == 0] = -100
     model(**enc, labels=labels).loss.backward()
     opt.step()
     opt.zero_grad()
