@@ -539,3 +539,54 @@ def test_a_steps_trajectories_are_the_same_when_it_is_run_again(llm_of, world1):
     for a, b in pairs:
         assert (a.token_ids, a.mask, a.sampler_logps, a.calls) == (b.token_ids, b.mask, b.sampler_logps, b.calls)
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a.images, b.images))
+
+
+@pytest.mark.launch
+def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
+    """Issue 44: a tool that never returned kept its rank alive after the run printed `[done]` or `checkpoint-2
+    written; exit 75`: the pool's worker was joined at the interpreter's exit, so tools/requeue.sh never returned 75
+    and nothing was requeued. tests/tool_probes.py is train.py with the zoom model's crop replaced by one that never
+    returns (toolbox.TOOL_TIME_S 1 s): a two-rank run behind tools/requeue.sh, SIGTERM to the script after step 1,
+    checkpoints the step and the script returns 75; the relaunch resumes, finishes, prints [done] and exits 0. Every
+    call the tool got is its failure (tools/tool_error_frac), apart from the model's malformed ones, and the stuck
+    calls are said."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import command, read_metrics, terminal_signals, wait_for_group
+    run = tmp_path / "run"
+    flags = ["--tiny_task", "zoom", "--max_steps", "3", "--val_freq", "0", "--no-save_final_model",
+             "--rollout_batch_size", "4", "--num_generations", "4"]
+
+    def cmd():
+        argv, env = command(run, flags, 2, env={"TOOL_TIME_S": "1"})
+        return [os.path.join("tests", "tool_probes.py") if a == "train.py" else a for a in argv], env
+    os.makedirs(run)
+    argv, env = cmd()
+    with open(run / "preempted.log", "w") as log:
+        p = subprocess.Popen([os.path.join(ROOT, "tools", "requeue.sh"), *argv], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
+    deadline = time.time() + 900
+    while p.poll() is None and time.time() < deadline and not any(
+            r.get("step") == 1 and "reward/mean" in r for r in (read_metrics(run) if (run / "metrics.jsonl").exists() else [])):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)   # the script alone: SIGUSR1 to the ranks
+    try:
+        code = p.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        wait_for_group(p)
+        raise AssertionError("the preempted run did not exit:\n" + (run / "preempted.log").read_text()[-3000:]) from None
+    text = (run / "preempted.log").read_text()
+    assert code == 75 and "exit 75" in text, text[-3000:]
+    assert "[tools] crop took longer than 1 s: answered with an error" in text
+    argv, env = cmd()
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and "[done]" in text and "[resume] from" in text, text[-3000:]
+    rows = [r for r in read_metrics(run) if "tools/calls_mean" in r]
+    assert [r["step"] for r in rows][-1] == 3 and any(r["tools/calls_mean"] > 0 for r in rows)
+    # every call that parsed went to the tool and timed out: the tool's failure; the rest the model's malformed calls
+    assert all(r["tools/tool_error_frac"] > 0 for r in rows if r["tools/calls_mean"] > 0), rows
+    assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6 for r in rows)
