@@ -9,8 +9,9 @@ Accepted sources (`--train_data`, `--val_data`):
 - a Hugging Face `datasets` directory (save_to_disk) or a parquet file with an image column
   (decoded images or {"bytes", "path"}), loaded from disk.
 `--columns question=query solution=answer image=img` maps other column names onto ours. A relative image
-or video path may not climb out of `--image_root` (`../`); a link inside it is followed and said (image_path); an
-absolute path is the user's explicit choice. Every other field is passed to the reward functions. Anything unusable (a bad line, a missing or
+or video path may not climb out of `--image_root` (`../`); a link inside it is followed and said (image_path);
+an absolute one is the user's explicit choice. Every
+other field is passed to the reward functions. Anything unusable (a bad line, a missing or
 corrupt image or video, too many of them, a prompt longer than --max_prompt_length) is reported with its
 file and line (or row), counted, and skipped; prompts are never cut. A sample without an image is a
 text-only prompt (mixed freely with image samples; train.py keeps ZeRO-3's vision-tower calls in

@@ -159,8 +159,8 @@ CHANGES_THE_STATE = {
     **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef",
                      "router_aux_loss_coef", "routing_replay", "loss_agg", "advantage_estimator", "scale_rewards",
                      "importance_sampling_level", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
-                     "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature", "top_p",
-                     "top_k", "max_completion_length", "tools", "max_turns"), OBJECTIVE),
+                     "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature",
+                     "top_p", "top_k", "max_completion_length", "tools", "max_turns"), OBJECTIVE),
 }
 STEERS = {
     "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
@@ -250,7 +250,8 @@ def inert_flags(args):
     if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
         notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
                      f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
-                     f"{args.max_turns - 1} tool images it may get; a later call's image is refused (tools/failure_frac)")
+                     f"{args.max_turns - 1} tool images it may get; a later call's image is refused "
+                     f"(tools/failure_frac)")
     if "scale_rewards" in given and args.advantage_estimator != "grpo":
         notes.append(f"--scale_rewards acts only with --advantage_estimator grpo (this run: {args.advantage_estimator})")
     return notes

@@ -44,7 +44,7 @@ STUCK_MAX = 8         # calls past their time still running at once, at most: pa
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
 # An image a tool returns larger than PIL's own bound on a decoded image (its decompression-bomb error, 179 MP at 3
-# bytes a pixel: 0.5 GB) is refused before the downscale, whose copies would take three times its size.
+# bytes a pixel: 0.5 GB, which PIL would not open from a file) is refused, not downscaled.
 MAX_TOOL_IMAGE_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
 BAD_CALL, TOOL_ERROR, IMAGE_LIMIT = "call", "tool", "limit"   # why a call failed: the model's, the tool's, the limit's
 
@@ -156,10 +156,10 @@ def started_line(args, trajectories):
     given = "given" if "limit_images" in getattr(args, "explicit", ()) else \
         f"derived: a prompt's image and one for each turn after a call, --max_turns {args.max_turns} - 1"
     return (f"[tools] {' '.join(args.tools)}: --limit_images {args.limit_images} ({given}); vLLM and the planner "
-            f"take it. Each tool image is downscaled to --max_pixels {args.max_pixels} as the prompt's are, {images} at most a "
-            f"trajectory: at most {tool_images_gb(args, trajectories, args.max_pixels):.3g} GB of host RAM a step on "
-            f"this rank. A call is given {TOOL_TIME_S:g} s, on a thread of its own; at most {STUCK_MAX} calls past "
-            f"their time run on at once, and what such a call holds is its own")
+            f"take it. Each tool image is downscaled to --max_pixels {args.max_pixels} as the prompt's are, {images} "
+            f"at most a trajectory: at most {tool_images_gb(args, trajectories, args.max_pixels):.3g} GB of host RAM "
+            f"a step on this rank. A call is given {TOOL_TIME_S:g} s, on a thread of its own; at most {STUCK_MAX} "
+            f"calls past their time run on at once, and what such a call holds is its own")
 
 
 def tool_images_gb(args, trajectories, max_pixels):
@@ -310,8 +310,10 @@ def finish_call(call, deadline):
     try:
         parts = result_parts(name, call["out"])
         return [clean(p) if isinstance(p, str) else tool_image(p, call["sample"], name) for p in parts], None, None
-    except ValueError as e:
+    except ValueError as e:   # what result_parts and tool_image say
         return failure(said(e), TOOL_ERROR)
+    except Exception as e:    # an image that cannot be read or resized (a lazily opened file gone, 0 pixels wide)
+        return failure(f"{name} returned what could not be used: {type(e).__name__}: {said(e)}", TOOL_ERROR)
 
 
 def result_parts(name, out):
@@ -404,8 +406,9 @@ def answer(pending, processor, args):
     processor's, expanded), masked out of the loss. A call that repeats another trajectory's on the same sample (a
     group's trajectories often write the same one) runs once, and their messages share its images, one content id
     each: vLLM processes and encodes such an image once. One processor call for the turn's distinct messages:
-    called once per message it took a quarter of a multi-turn step (docs/verification.md). A result that would take
-    the prompt past --limit_images images keeps its text only."""
+    called once per message it took a quarter of a multi-turn step (docs/verification.md). The turn's distinct calls
+    start at once (start_call) and are waited for together, so their time-outs overlap. A result that would take
+    the prompt past --limit_images images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
     for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
         if (id(sample), t["turns"][-1]) not in ran:

@@ -249,7 +249,8 @@ def reward_inputs(run, samples, comps):
     cols.update(completion_length=[c.length for c in comps], max_completion_length=[run.args.max_completion_length] * len(comps))
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True),
-                    tool_calls=[len(c.calls) for c in comps], tool_failures=[sum(e is not None for _, e, _ in c.calls) for c in comps])
+                    tool_calls=[len(c.calls) for c in comps],
+                    tool_failures=[sum(e is not None for _, e, _ in c.calls) for c in comps])
     return cols
 
 
@@ -533,9 +534,9 @@ def log_step(run, step, m, groups, stats):
         m[f"reward/{name}"] = ranks.Mean(np.mean(ok) if ok else 0.0, len(ok))
         m[f"reward/{name}_failures"] = ranks.Sum(sum(c.failed[name] for c in comps))
     if args.tools:   # calls per trajectory, the share that failed (and apart: the model's bad calls, the tools' own
-        # errors); the most turns a trajectory took: on any rank, on the rank that needed fewest (every rank ran turns_max)
+        # errors); the most turns a trajectory took: on any rank, on the rank that needed fewest (all ran turns_max)
         calls = [(e, kind) for c in comps for _, e, kind in c.calls]
-        frac = lambda ok: ranks.Mean(np.mean([ok(e, kind) for e, kind in calls]) if calls else 0.0, len(calls))   # noqa: E731
+        frac = lambda ok: ranks.Mean(np.mean([ok(e, k) for e, k in calls]) if calls else 0.0, len(calls))   # noqa: E731
         turns = max(1 + len(c.calls) for c in comps)
         m.update({"tools/calls_mean": ranks.Mean(len(calls) / len(comps), len(comps)),
                   "tools/failure_frac": frac(lambda e, kind: e is not None),

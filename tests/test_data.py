@@ -268,9 +268,9 @@ def test_a_link_out_of_the_image_root_is_followed_and_said_and_a_videos_refusal_
     assert [data.prepare(rows[i], processor, args_for())["images"][0].getpixel((0, 0)) for i in range(4)] == \
         [(0, 0, 255), (0, 0, 255), (0, 255, 0), (255, 0, 0)]
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data]")]
-    assert said == [f"[data] {root / 'images'} is a link to {outside / 'imgs'}, outside the image root {root}: followed "
-                    f"(links in a data folder are trusted, docs/data.md); said once for the links in {root} into "
-                    f"{outside}"]
+    assert said == [f"[data] {root / 'images'} is a link to {outside / 'imgs'}, outside the image root {root}: "
+                    f"followed (links in a data folder are trusted, docs/data.md); said once for the links in {root} "
+                    f"into {outside}"]
     path = write_task(root, [{"video": "../clip.mp4", "question": "Which way?", "solution": "left"}])
     with pytest.raises(ValueError, match=r"data.jsonl:1: video '../clip.mp4' climbs out of the image root"):
         data.prepare(data.Rows(str(path))[0], processor, args_for("--limit_videos", "1"))

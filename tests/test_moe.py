@@ -123,7 +123,8 @@ def test_the_zoom_task_starts_on_the_moe_families(built, llm_of, arch):
     llm = llm_of(arch, str(model_dir), ("--tiny_task", "zoom"))
     processor = AutoProcessor.from_pretrained(model_dir)
     args = train.parse_args(["--tiny_task", "zoom", "--tiny_arch", arch])
-    sample = data.prepare(data.read_jsonl(str(task_dir / "train.jsonl"))[0], processor, args, toolbox.schemas(args.tools))
+    row = data.read_jsonl(str(task_dir / "train.jsonl"))[0]
+    sample = data.prepare(row, processor, args, toolbox.schemas(args.tools))
     sp = rollout.sampling_params(startup.sampling_of(args, []), n=2, max_tokens=8)
     (out,) = rollout.generate(llm, [data.vllm_request(sample)], [sp])
     assert [len(c.token_ids) for c in out.outputs] == [8, 8] or all(c.token_ids for c in out.outputs)

@@ -204,7 +204,8 @@ def test_a_tool_that_raises_or_takes_too_long_is_answered(monkeypatch):
     monkeypatch.setitem(toolbox.TOOLS, "broken", broken)
     monkeypatch.setitem(toolbox.TOOLS, "slow", slow)
     call = '<tool_call>\n{"name": "%s", "arguments": {"n": %d}}\n</tool_call>'
-    assert toolbox.run_call(call % ("broken", 3), {}, ["broken"])[1:] == ("broken failed: KeyError: 3", toolbox.TOOL_ERROR)
+    assert toolbox.run_call(call % ("broken", 3), {}, ["broken"])[1:] == ("broken failed: KeyError: 3",
+                                                                          toolbox.TOOL_ERROR)
     t0 = time.perf_counter()
     assert toolbox.run_call(call % ("slow", 5), {}, ["slow"], time_s=0.2)[1:] == ("slow took longer than 0.2 s",
                                                                                    toolbox.TOOL_ERROR)
@@ -213,7 +214,8 @@ def test_a_tool_that_raises_or_takes_too_long_is_answered(monkeypatch):
 
 
 def fresh_trajectory(turn):
-    return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[turn], calls=[])
+    return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[turn],
+                calls=[])
 
 
 CROP = '<tool_call>\n{"name": "crop", "arguments": {"x1": %s, "y1": 0, "x2": 8, "y2": 8}}\n</tool_call>'
@@ -251,7 +253,8 @@ def test_whatever_the_model_writes_ends_as_a_counted_tool_message():
     s, processor, args = sample_of()
     for text, reason in HOSTILE:
         parts, error, kind = toolbox.run_call(text, s, ["crop"])
-        assert error.startswith(reason) and kind == toolbox.BAD_CALL and parts == [f"Error: {error}"], (text[:60], error)
+        assert error.startswith(reason) and kind == toolbox.BAD_CALL and parts == [f"Error: {error}"], \
+            (text[:60], error)
     assert toolbox.run_call(CROP % "0.0", s, ["crop"])[1:] == (None, None)
     trajectories = [fresh_trajectory(text) for text, _ in HOSTILE]
     toolbox.answer([(t, s) for t in trajectories], processor, args)
@@ -283,7 +286,8 @@ def test_a_tools_own_failure_is_counted_apart_from_the_models_and_said_once(monk
     monkeypatch.setitem(toolbox.TOOLS, "broken", broken)
     monkeypatch.setitem(toolbox.TOOLS, "odd", odd)
     call = '<tool_call>{"name": "%s", "arguments": {"n": %d}}</tool_call>'
-    assert toolbox.run_call(call % ("broken", 1), {}, ["broken"])[1:] == ("broken failed: KeyError: 1", toolbox.TOOL_ERROR)
+    assert toolbox.run_call(call % ("broken", 1), {}, ["broken"])[1:] == ("broken failed: KeyError: 1",
+                                                                          toolbox.TOOL_ERROR)
     first = capsys.readouterr().out
     assert "[tools] broken raised KeyError (said once" in first and "return {}[n]" in first and "Traceback" in first
     assert toolbox.run_call(call % ("broken", 2), {}, ["broken"])[2] == toolbox.TOOL_ERROR
@@ -388,7 +392,8 @@ assert t[2]["calls"][0][1:] == ("huge returned a 14000 x 14000 image, more than 
                                 "decoded image)", toolbox.TOOL_ERROR)
 for x in t[:2]:
     (im,) = x["images"]
-    assert im.mode == "RGB" and im.width * im.height <= args.max_pixels and len(x["ids"]) <= toolbox.response_tokens(args.max_pixels)
+    assert im.mode == "RGB" and im.width * im.height <= args.max_pixels
+    assert len(x["ids"]) <= toolbox.response_tokens(args.max_pixels)
 assert np.array_equal(np.asarray(t[1]["images"][0]), np.asarray(data.load_image(rgba, *sample["pixel_bounds"])))
 print(f"peak RSS grew by {{grown:.2f}} GB; tokens {{len(t[0]['ids'])}}")
 assert grown < 0.6, grown
@@ -415,7 +420,8 @@ def test_a_tool_that_returns_images_gets_an_image_limit_that_shows_them(monkeypa
         """
         return "a" * n
     monkeypatch.setitem(toolbox.TOOLS, "words", words)
-    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--tools", "crop", "--max_turns", "4", "--max_pixels", "1003520"])
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--tools", "crop", "--max_turns", "4",
+                             "--max_pixels", "1003520"])
     assert args.limit_images == 4 and "limit_images" not in args.explicit
     assert train.parse_args(["--model", "m", "--tools", "words"]).limit_images == 1
     assert train.parse_args(["--model", "m"]).limit_images == 1
@@ -567,9 +573,11 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     with open(run / "preempted.log", "w") as log:
         p = subprocess.Popen([os.path.join(ROOT, "tools", "requeue.sh"), *argv], cwd=ROOT, env=env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
+    def trained(step):
+        rows = read_metrics(run) if (run / "metrics.jsonl").exists() else []
+        return any(r.get("step") == step and "reward/mean" in r for r in rows)
     deadline = time.time() + 900
-    while p.poll() is None and time.time() < deadline and not any(
-            r.get("step") == 1 and "reward/mean" in r for r in (read_metrics(run) if (run / "metrics.jsonl").exists() else [])):
+    while p.poll() is None and time.time() < deadline and not trained(1):
         time.sleep(0.5)
     p.send_signal(signal.SIGTERM)   # the script alone: SIGUSR1 to the ranks
     try:
@@ -577,7 +585,8 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         wait_for_group(p)
-        raise AssertionError("the preempted run did not exit:\n" + (run / "preempted.log").read_text()[-3000:]) from None
+        text = (run / "preempted.log").read_text()
+        raise AssertionError("the preempted run did not exit:\n" + text[-3000:]) from None
     text = (run / "preempted.log").read_text()
     assert code == 75 and "exit 75" in text, text[-3000:]
     assert "[tools] crop took longer than 1 s: answered with an error" in text
@@ -589,4 +598,5 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     assert [r["step"] for r in rows][-1] == 3 and any(r["tools/calls_mean"] > 0 for r in rows)
     # every call that parsed went to the tool and timed out: the tool's failure; the rest the model's malformed calls
     assert all(r["tools/tool_error_frac"] > 0 for r in rows if r["tools/calls_mean"] > 0), rows
-    assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6 for r in rows)
+    assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6
+               for r in rows)
