@@ -88,7 +88,7 @@ def build_parser():
     g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
     g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped")
+    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. With --tools that return images, by default a prompt's image and one for each turn after a call, 1 + (--max_turns - 1) (toolbox.image_limit, said at start)")
     g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
     g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none")
