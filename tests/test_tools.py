@@ -528,6 +528,9 @@ def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path
                       "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
+    # issue 43: the image limit of a user's JSONL with the crop is derived and said, and no crop's image is refused
+    assert "[tools] crop: --limit_images 2 (derived: a prompt's image and one for each turn after a call" in log
+    assert "a call's image was refused" not in log
     assert all(r["tools/turns_min"] == 1 and r["tools/turns_max"] == 2 for r in train_rows), train_rows
     assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4 and train_rows[0]["tools/calls_mean"] > 0
 
