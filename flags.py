@@ -125,7 +125,7 @@ def build_parser():
     g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
     g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools one more a turn after a call (--max_turns - 1), said at start")
+    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools that return images one more for each turn after a call (--max_turns - 1; toolbox.image_limit), said at start")
     g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
     g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none. Default: the most a row of the data holds, said at start")
@@ -167,7 +167,7 @@ def build_parser():
     g.add_argument("--log_completions_steps", type=int, default=50, help="every this many steps (0: never): the first completion of rank 0's first --log_completions groups to output_dir/completions.jsonl (prompt, answer, trajectory and calls, rewards), with the images the model saw as PNG for --tools and video runs (output_dir/completions/step_<n>/); with --report_to wandb also a table of rank 0's completions")
     g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
     g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (checkpoint.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
+    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (flags.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
     g.add_argument("--accept_changed_data", action="store_true", help="resume although --train_data's contents changed since the checkpoint (rows appended, removed or reordered: its fingerprint is in the checkpoint): a fresh epoch starts over the rows as they are now, and the rewards history is kept by sample identity; without it such a resume is refused by name")
     g.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
     g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
@@ -175,6 +175,48 @@ def build_parser():
     g.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
     g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
+
+
+# What a relaunch into a run's folder may change (checkpoint.changed_flags): one rule, and every flag of build_parser
+# classified by it below (tests/test_flags.py fails on a flag in neither). A flag that changes what the saved state
+# means names what it changes, and a resume that changes it is refused by name (--accept_changed_flags overrides):
+# which model and which of its parts train; the data, its order, and what the model sees of a sample (the prompt,
+# its images' and videos' pixels, frames and counts); the group and the batch; the objective (the loss, the
+# rewards, the sampling, the tools and turns). Every other flag steers the rest of the run (the optimiser's rates,
+# schedule, decay and clipping; how long; saving, validation, logging; the memory and speed levers, which leave
+# the loss as it is) and is applied and said.
+MODEL, DATA, GROUP, OBJECTIVE = ("the model and its optimizer state", "the data and the position in it",
+                                 "the group size and the batch", "the loss, the rewards and the sampling")
+CHANGES_THE_STATE = {
+    **dict.fromkeys(("model", "tiny_arch", "tiny_size", "bf16", "optimizer", "use_peft", "lora_r", "lora_alpha",
+                     "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"), MODEL),
+    **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
+                     "max_prompt_length", "limit_images", "min_pixels", "max_pixels", "limit_videos", "video_fps",
+                     "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels"), DATA),
+    **dict.fromkeys(("num_generations", "rollout_batch_size"), GROUP),
+    **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef",
+                     "router_aux_loss_coef", "routing_replay", "loss_agg", "advantage_estimator", "scale_rewards",
+                     "importance_sampling_level", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
+                     "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature",
+                     "top_p", "top_k", "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k",
+                     "ref_ema", "sft_coef", "loss_type", "plugins", "judge_model", "judge_template", "judge_parser",
+                     "judge_images"), OBJECTIVE),
+}
+STEERS = {
+    "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
+    "per_device_train_batch_size", "shared_prefix", "micro_batch_tokens", "max_micro_batch",   # the same loss, laid out
+    "learning_rate", "warmup_steps", "lr_scheduler_type", "weight_decay", "max_grad_norm", "lora_dropout", "max_steps",
+    "overlong_prompt",   # skip or stop: a prompt that is skipped either way
+    "gradient_checkpointing", "attn_implementation", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+    "vllm_cpu_kv_cache_mb", "vllm_enforce_eager", "vllm_gdn_prefill_backend", "sleep_level", "gc_collect_after_offload",
+    "sync_bucket_mb", "logprob_chunk_tokens", "zero_offload", "offload_optimizer", "offload_model", "ref_offload",
+    "lora_sync", "export_merged", "memory", "skip_memory_preflight", "plan", "deepspeed", "ds_set",
+    "val_freq", "val_before_train", "val_only", "report_to", "wandb_project", "run_name", "log_completions",
+    "log_completions_steps", "save_steps", "save_total_limit", "accept_changed_flags", "accept_changed_data", "resume",
+    "save_final_model", "local_rank", "check_data",
+    # the judge's address, patience and key's variable: the same grades from the same judge
+    "judge_url", "judge_concurrency", "judge_timeout_s", "judge_retries", "judge_api_key_env", "judge_max_failed_steps",
+}
 
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
@@ -194,7 +236,7 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
                                 max_steps=300),   # a box: 12 tokens + stop
               # the call (13 tokens: tiny.CALL_PIECES) and a one-word answer; the prompt holds the tool's schema;
               # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
-              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576, limit_images=2,
+              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576,
                            rollout_batch_size=32, num_generations=8, beta=0.04),
               # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them); the
               # small model: the tiny one did not learn which way even supervised (tiny.py, docs/demos.md)
@@ -274,6 +316,8 @@ def parse_args(argv=None):
         if "loss_agg" in args.explicit and args.loss_agg != agg:
             p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
         args.loss_agg = agg
+    if "limit_images" not in args.explicit:   # --tools that return images: room for one a turn (the data's count at start)
+        args.limit_images = toolbox.image_limit(args, args.limit_images)
     return args
 
 
@@ -304,6 +348,11 @@ def inert_flags(args):
     if clip and args.num_iterations == 1:
         notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
                      "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
+    if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
+        notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
+                     f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
+                     f"{args.max_turns - 1} tool images it may get; a later call's image is refused "
+                     f"(tools/failure_frac)")
     options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
     for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
         readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
@@ -392,6 +441,11 @@ def check_args(args, world, local=None):
          f"--limit_videos {args.limit_videos} >= 0")
     need(args.video_min_pixels is None or args.video_max_pixels is None or args.video_min_pixels <= args.video_max_pixels,
          f"--video_min_pixels {args.video_min_pixels} > --video_max_pixels {args.video_max_pixels}")
+    images = [t for t in args.tools if toolbox.returns_images(t)]
+    need(not images or args.limit_images >= 2, f"--tools {' '.join(images)} return images and --limit_images "
+         f"{args.limit_images} leaves them no room beside a prompt's image: every call's image would be refused. Leave "
+         f"--limit_images out (then {toolbox.image_limit(args)}: a prompt's image and one for each turn after a call, "
+         f"--max_turns {args.max_turns} - 1) or give at least 2")
     need(not (args.tools and args.limit_videos), "--tools with --limit_videos > 0: trajectories with tools take images, "
          "not videos (not built)")
     need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),

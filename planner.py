@@ -395,6 +395,9 @@ def plan(args, cluster, s=None):
     # --tools: vLLM's processor cache of one step's prompt images (rollout.engine_kwargs) in every rank's process: each
     # rank of a tensor-parallel group runs vLLM's front end (external_launcher) for the group's prompts
     processor_cache = toolbox.processor_cache_gb(args, args.rollout_batch_size // world * tp, max_pixels) * GB
+    # --tools: a step's tool images on each rank, held from its rollout to its update (each downscaled to max_pixels)
+    tool_images = toolbox.tool_images_gb(args, args.rollout_batch_size // world * args.num_generations, max_pixels) * GB
+    held = ("rollout", "old_ref_logps", "update")
     weights = s["n"] * p
     trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
     # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
@@ -422,6 +425,7 @@ def plan(args, cluster, s=None):
         add("host", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
         if args.tools:
             add("host", "vLLM processor cache (--tools)", processor_cache)
+            add("host", "tool images (--tools)", tool_images, held)
         return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
                 "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens,
                 "video_tokens": video, "micro_batch": mb}
@@ -471,6 +475,7 @@ def plan(args, cluster, s=None):
         add("host", "vLLM CUDA graphs sleep copy (pinned)", math.ceil(graphs / (20 * MiB)) * 32 * MiB * ranks, TRAINER)
     if args.tools:
         add("host", "vLLM processor cache (--tools)", processor_cache * ranks)
+        add("host", "tool images (--tools)", tool_images * ranks, held)
     if args.sleep_level == 1:
         add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
             TRAINER)

@@ -102,6 +102,8 @@ def setup(args):
     os.makedirs(args.output_dir, exist_ok=True)
     processor = AutoProcessor.from_pretrained(args.model)
     args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)   # the model's grid and bounds by default
+    if rank == 0 and args.tools:   # the image limit, what the tools' images may take, the time a call gets
+        print(toolbox.started_line(args, args.rollout_batch_size // world * args.num_generations), flush=True)
     cfg = model.ds_config(args, gas, world, bf16)
     report = planner.preflight(args, this_cluster(local_world, world), allow=args.skip_memory_preflight)
     if rank == 0:   # a run that would run out is refused above, before anything is loaded
@@ -179,7 +181,8 @@ def check_data(args, rank):
     dist.broadcast_object_list(verdicts, src=0)
     if errors := [v["error"] for v in verdicts[0] if v["error"]]:
         sys.exit("\n".join(errors))
-    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]))
+    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]),
+                            toolbox.image_limit(args, 0))
     if rank == 0 and said:
         print(said, flush=True)
 
@@ -195,7 +198,8 @@ def check_data_alone(args):
     verdicts = [data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
                                                                        (args.val_data, "--val_data")) if path]
     print("\n".join(line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])))
-    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts))
+    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts),
+                            toolbox.image_limit(args, 0))
     if said:
         print(said)
     return 0 if all(v["usable"] == v["rows"] and not v["error"] for v in verdicts) else 1
@@ -335,8 +339,8 @@ def print_plan(args):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.train_data and int(os.environ.get("RANK", 0)) == 0:   # cheap (nothing decoded): the limits the data sets
         verdict = data.check_source(args.train_data, args)
-        print("\n".join(verdict["lines"] + [verdict["error"] or "", data.data_limits(args, verdict["images"],
-                                                                                   verdict["videos"]) or ""]).rstrip())
+        said = data.data_limits(args, verdict["images"], verdict["videos"], toolbox.image_limit(args, 0))
+        print("\n".join(verdict["lines"] + [verdict["error"] or "", said or ""]).rstrip())
     check_args(args, world)
     cluster = this_cluster(ranks.local_world(world), world)
     if int(os.environ.get("RANK", 0)) == 0:

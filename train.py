@@ -230,7 +230,8 @@ def reward_inputs(run, samples, comps):
     cols.update(completion_length=[c.length for c in comps], max_completion_length=[run.args.max_completion_length] * len(comps))
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True),
-                    tool_calls=[len(c.calls) for c in comps], tool_failures=[sum(e is not None for _, e in c.calls) for c in comps])
+                    tool_calls=[len(c.calls) for c in comps],
+                    tool_failures=[sum(e is not None for _, e, _ in c.calls) for c in comps])
     return cols
 
 
@@ -440,11 +441,15 @@ def log_step(run, step, m, groups, stats):
         ok = [c.rewards[name] for c in comps if not c.failed[name]]
         m[f"reward/{name}"] = ranks.Mean(np.mean(ok) if ok else 0.0, len(ok))
         m[f"reward/{name}_failures"] = ranks.Sum(sum(c.failed[name] for c in comps))
-    if args.tools:   # calls per trajectory, the share that failed; the most turns a trajectory took: on any rank, on
-        calls = [e for c in comps for _, e in c.calls]   # the rank that needed fewest (every rank ran turns_max)
+    if args.tools:   # calls per trajectory, the share that failed (and apart: the model's bad calls, the tools' own
+        # errors); the most turns a trajectory took: on any rank, on the rank that needed fewest (all ran turns_max)
+        calls = [(e, kind) for c in comps for _, e, kind in c.calls]
+        frac = lambda ok: ranks.Mean(np.mean([ok(e, k) for e, k in calls]) if calls else 0.0, len(calls))   # noqa: E731
         turns = max(1 + len(c.calls) for c in comps)
         m.update({"tools/calls_mean": ranks.Mean(len(calls) / len(comps), len(comps)),
-                  "tools/failure_frac": ranks.Mean(np.mean([e is not None for e in calls]) if calls else 0.0, len(calls)),
+                  "tools/failure_frac": frac(lambda e, kind: e is not None),
+                  "tools/bad_call_frac": frac(lambda e, kind: kind == toolbox.BAD_CALL),
+                  "tools/tool_error_frac": frac(lambda e, kind: kind == toolbox.TOOL_ERROR),
                   "tools/turns_max": ranks.Max(turns), "tools/turns_min": ranks.Min(turns)})
     if "judge" in args.reward_funcs:   # its unique requests, the slowest, what the step waited, failures by reason
         st = judge.STATS
@@ -484,7 +489,7 @@ def validate(run, step, m):
     if run.master:
         print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
         for s, c, r in list(zip(run.val_samples, comps, total))[:args.log_completions]:
-            calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e in c.calls)   # --tools: each call and how it went
+            calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e, _ in c.calls)   # --tools: each call and how it went
             print(f"    {s['where']}:{calls} {c.text!r} -> {r:.2f}")
     logs.write_metrics(run, m, step)
     return m
@@ -516,6 +521,12 @@ def temperature_at(args, step):
     if args.temperature_end is None:
         return args.temperature
     return args.temperature + (args.temperature_end - args.temperature) * (step - 1) / max(1, args.max_steps - 1)
+def step_line(m):
+    """The step's numbers in the progress bar (rank 0): the reward (nan: no completion of the step was scored), the KL,
+    the memory; with --tools, the share of calls whose tool failed (raised, timed out) when there is one, so that a
+    broken tool is seen where the run is watched, not mistaken for a model that cannot call it."""
+    tools = f" tool_errors={m['tools/tool_error_frac']:.0%}" if m.get("tools/tool_error_frac") else ""
+    return f"reward={m.get('reward/mean', float('nan')):.3f} kl={m.get('train/kl', 0.0):.4f}{tools} {memory.summary(m)}"
 
 
 def train_step(run, step, m):
@@ -574,8 +585,7 @@ def main(argv=None):
             m["time/step"] = ranks.Max(time.perf_counter() - t_step)
             log_step(run, step, m, groups, stats)
             if run.master:
-                bar.set_postfix_str(f"reward={m.get('reward/mean', float('nan')):.3f} kl={m.get('train/kl', 0.0):.4f} "
-                                    f"{memory.summary(m)}")   # no reward/mean: no completion of the step was scored
+                bar.set_postfix_str(step_line(m))
             if judge_gave_up(run, step, m):   # --judge_max_failed_steps steps without one score: stop, saved
                 save(run, step)
                 finish(run, export=False)

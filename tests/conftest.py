@@ -27,7 +27,8 @@ LONGEST = {"test_ten_kills_then_resume_exactly": 478, "test_grounding_demo_learn
            "test_a_hang_up_checkpoints_the_step_and_exits_75": 101,
            "test_resume_exact_with_one_process_and_the_export_loads[qwen3_5]": 96, "test_two_process_run": 90,
            "test_resume_exact_with_one_process_and_the_export_loads[qwen3_vl_moe]": 90,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 82}
+           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 82,
+           "test_a_run_whose_tool_never_returns_is_preempted_and_ends": 150}
 
 
 def pytest_collection_modifyitems(items):

@@ -258,8 +258,34 @@ def test_the_per_rank_state_loads_without_running_code(world1, tmp_path, monkeyp
     assert stream.st["history"] == {7: [0.0, 1.0]}
     torch.save({"rng": Evil(), "stream": {}}, tmp_path / "run" / "checkpoint-1" / "rank0.pt")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(SystemExit, match="rank0.pt would build more than tensors and plain data when it is loaded "
+                                         r"\(a call of posix.system\): loading it could run code") as e:
         checkpoint.resume(engine, stream, args, 0, str(tmp_path / "run" / "checkpoint-1"))
+    assert "do not turn this check off" in str(e.value) and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", ["zero/zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                  "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_deepspeeds_files_are_loaded_without_running_code(world1, tmp_path, monkeypatch, name):
+    """Issue 44: a pickle payload in DeepSpeed's zero/ files ran at a resume without a word (DeepSpeed loads them with
+    torch.load(weights_only=False)), and its manifest, rewritten by whoever changed the file, matched. Every .pt file
+    of the checkpoint is now unpickled with weights_only (its tensors memory-mapped) before anything loads it: such a
+    file is refused by name, and nothing runs; DeepSpeed's own loads of this engine go through weights_only too. A
+    checkpoint this code wrote passes (ZeroStageEnum and LossScaler are the only types beside tensors and plain data
+    in DeepSpeed 0.19.8's optimizer states)."""
+    engine, args = trained_and_saved(tmp_path / "run", [1])
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert checkpoint.pick_checkpoint(args, 0, 1) == str(ckpt)
+    state = torch.load(ckpt / name, weights_only=False)
+    torch.save({**state, "evil": Evil()}, ckpt / name)
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**saved, "files": checkpoint.manifest(str(ckpt))}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=f"error: {ckpt / name} would build more than tensors and plain data") as e:
+        checkpoint.pick_checkpoint(args, 0, 1)
+    assert "(a call of posix.system)" in str(e.value) and not (tmp_path / "pwned").exists()
+    with pytest.raises(SystemExit, match=f"error: {ckpt / name} would build"):   # past the check: DeepSpeed's own load
+        checkpoint.resume(engine, Stream(), args, 0, str(ckpt))
     assert not (tmp_path / "pwned").exists()
 
 
