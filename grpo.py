@@ -110,7 +110,7 @@ def _log_kept(logits, lse, top_k, top_p):
     return torch.logsumexp(logits, dim=-1) - lse                   # (n,)
 
 
-def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
+def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
     logits = lm_head(hidden).float() / sampling.temperature        # (n, V) float32, one chunk only
     if sampling.banned:                                            # the sampler's logit_bias -inf: never drawn
         logits = logits.index_fill(-1, torch.tensor(sampling.banned, device=logits.device), float("-inf"))
@@ -118,8 +118,9 @@ def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
     lse = torch.logsumexp(logits, dim=-1)                          # (n,)
     entropy = log_kept = None
     if with_entropy:   # H = lse - sum p * logit over the allowed ids (p = 0 where the logit is -inf)
-        p = (logits - lse.unsqueeze(-1)).exp()                     # (n, V)
-        entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):   # logged only: no graph (token_logps)
+            p = (logits - lse.unsqueeze(-1)).exp()                 # (n, V)
+            entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
     if with_kept and sampling.truncated:
         with torch.no_grad():
             log_kept = _log_kept(logits, lse, sampling.top_k, sampling.top_p)          # (n,)
@@ -127,7 +128,7 @@ def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
 
 
 def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,
-                chunks=None):
+                chunks=None, entropy_grad=True):
     """Log-probs of `token_ids` under `sampling`'s distribution: softmax(lm_head(hidden) / temperature) with
     the banned ids at probability 0, as the sampler's logit_bias gives them, `chunk_tokens` rows of logits
     at a time. With `with_entropy`, the entropy of that distribution per token, from the same chunk of
@@ -139,13 +140,18 @@ def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=10
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
     chunk too. -> TokenStats, each (B, C) or None.
     `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
-    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches)."""
+    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches).
+    `entropy_grad` False: the entropy has no gradient (logged, not in the loss). An entropy with a gradient that
+    the loss never uses keeps its graph alive, and with it every chunk's recomputed tensors that graph saved (the
+    softmax, the masked logits and their mask: 9 B per row and vocabulary entry) until the stats are freed:
+    torch.utils.checkpoint keeps a recomputed tensor for each saved one whose holder still lives (_recomputation_hook).
+    That was 5 GB at 8 x 500 completion tokens on an H200 (issue 42)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
     size = chunk_tokens if chunks is None else -(-B * C // chunks)
     parts = []
     for s in range(0, size * chunks if chunks else B * C, size):
-        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept)
+        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept, entropy_grad)
         if torch.is_grad_enabled() and flat_h.requires_grad:
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
