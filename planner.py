@@ -283,14 +283,16 @@ def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, 
         sdpa_attention_forward repeats them: use_gqa_in_sdpa is False beside a mask) and the mask as an additive one
         in the model's dtype, (R, 1, T, T), converted per call (torch's convert_boolean_attn_mask) and saved for
         backward.
-      backward's: what backward adds at each of three moments, in the order it runs (the peak is the largest):
-        the log-prob chunks: autograd sums lm_head's weight gradient (V x h) over the chunks in one buffer; the
-          first sum is out of place (each chunk's gradient arrives as a transposed view, which InputBuffer cannot add
-          into: three V x h at once), the later ones in place (two), beside one chunk's CHUNK_GRAD_BYTES;
+      backward's: what backward adds at each moment, in the order it runs (the peak is the largest):
+        the log-prob chunks: autograd sums lm_head's weight gradient (V x h) over the chunks (and a tied embedding)
+          in one buffer; the first sum is out of place (each chunk's gradient arrives as a transposed view, which
+          InputBuffer cannot add into: three V x h at once), the later ones in place (two), beside one chunk's
+          CHUNK_GRAD_BYTES (a single chunk: those, then its gradient beside the first V x h);
         a decoder layer: its recompute (checkpointing), two (tokens, I) gradients of its MLP at once, or a weight's
           gradient and one (the largest parameter: a mixture-of-experts layer's fused experts), and, where lm_head
           is tied to the embedding, the V x h gradient buffer waiting for the embedding's backward;
-        a vision block: its recompute and two (patches, vi) gradients, the text layers' inputs freed by then."""
+        a vision block: its recompute and two (patches, vi) gradients, the text layers' inputs freed by then;
+        a tied embedding's gradient, last, joining lm_head's in the buffer (out of place after a single chunk)."""
     act = activation_bytes(s, p, gc)
     L, V, h, I = s["L_attn"], s["V"], s["h"], s["I"]
     kv_extra = 2 * (s["heads"] - s["kv_heads"]) * s["head_dim"] * p * tokens if masked else 0   # one layer's
@@ -301,14 +303,17 @@ def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, 
     n = -(-completion_rows // chunks)
     head = V * h * p
     per_entry = CHUNK_GRAD_BYTES + CHUNK_ENTROPY_BYTES * entropy_grad
-    chunk = max(3 * head, head + n * V * per_entry) if chunks > 1 else head + n * V * per_entry
+    chunk = max(3 * head, head + n * V * per_entry) if chunks > 1 else max(n * V * per_entry, head + n * V * p)
     tied = head * s["tied"]
     layer = (tokens * act["text_recompute"] + kv_extra + mask) * gc + tied + max(
         2 * tokens * I * p, s["largest_param"] * p + tokens * I * p)
     patches = images * s["merge2"]
     fixed = activation_bytes(s, p, True)["text_token"] - s["L"] * h * p   # per token outside the layers (embeddings, norm)
     block = images * act["image_recompute"] + 2 * patches * s["vi"] * p + tied - (text - tokens * fixed)   # layers freed
-    return text + vision, {"log-prob chunks": chunk, "a decoder layer": layer, "a vision block": block}
+    moments = {"log-prob chunks": chunk, "a decoder layer": layer, "a vision block": block}
+    if s["tied"]:   # the embedding's gradient joins the buffer last, everything else freed: out of place after one chunk
+        moments["the tied embedding"] = (3 if chunks == 1 else 2) * head - (text + vision - tokens * fixed)
+    return text + vision, moments
 
 
 def kv_bytes_per_token(s, p, tp):
