@@ -605,7 +605,7 @@ def verdict(pl, cluster):
                          f"GB usable, {HOST_MARGIN:.0%} of {cluster.host_gb:g})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
-        need = (pl["vllm_weights"] - pl["vllm_overhead"] + GB) / (cluster.gpu_gb * GB)
+        need = math.ceil((pl["vllm_weights"] - pl["vllm_overhead"] + GB) / (cluster.gpu_gb * GB) * 100) / 100
         lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
                      f"GPU; --vllm_gpu_memory_utilization {need:.2f} at least (with --sleep_level 1 or 2 for the update)")
     return fits, lines
@@ -618,6 +618,8 @@ def worst(pl, cluster):
         if cluster.cuda:
             out.append(gpu - MARGIN * cluster.gpu_gb * GB)
         out.append((host if cluster.cuda else host * cluster.gpus_per_node) - HOST_MARGIN * cluster.host_gb * GB)
+    if pl.get("vllm_room", 1) <= 0:   # vLLM cannot start: its share lacks this much for its weights and 1 GB of KV cache
+        out.append(GB - pl["vllm_room"])
     return max(out)
 
 
@@ -657,14 +659,24 @@ def lever_list(args, cluster, s=None):
         L.append((f"--per_device_train_batch_size {half(mb)}", dict(per_device_train_batch_size=half(mb)), None))
     L.append((f"--max_completion_length {half(args.max_completion_length)}",
               dict(max_completion_length=half(args.max_completion_length)), None))
-    L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
-              dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
+    room = vllm_cache(args, cluster, s, 2 if model.use_bf16(args, {"model_type": s["model_type"]}, True) else 4)[1] \
+        if s is not None and cluster.cuda else 1
+    if room > 0:
+        L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
+                  dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
+    elif (need := math.ceil((args.vllm_gpu_memory_utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100) < 1:
+        # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: the plan said both)
+        L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need), None))
     if cluster.gpus_per_node > 1:
         L.append((f"half the ranks per node ({half(cluster.gpus_per_node)}, twice the nodes)", {},
                   dataclasses.replace(cluster, gpus_per_node=half(cluster.gpus_per_node), nodes=cluster.nodes * 2)))
-    if cluster.gpus_per_node % (2 * args.vllm_tensor_parallel_size) == 0:
-        L.append((f"--vllm_tensor_parallel_size {2 * args.vllm_tensor_parallel_size}",
-                  dict(vllm_tensor_parallel_size=2 * args.vllm_tensor_parallel_size), None))
+    for t in (2 ** k for k in range(1, 7)):   # vLLM's weights split over a node's GPUs: every size that divides it
+        if t > args.vllm_tensor_parallel_size and cluster.gpus_per_node % t == 0:
+            if args.routing_replay and cluster.cuda:   # refused beside it (flags.check_args): named as the trade it is
+                L.append((f"--vllm_tensor_parallel_size {t} without --routing_replay",
+                          dict(vllm_tensor_parallel_size=t, routing_replay=False), None))
+            else:
+                L.append((f"--vllm_tensor_parallel_size {t}", dict(vllm_tensor_parallel_size=t), None))
     return L
 
 
@@ -676,7 +688,7 @@ def levers(args, cluster, s, base=None):
     for name, change, other in lever_list(args, cluster, s):
         a, c = argparse.Namespace(**{**vars(args), **change}), other or cluster
         try:
-            flags.check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node)
+            flags.check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node, c.cuda)
         except SystemExit:
             continue
         out.append((name, base - worst(plan(a, c, s), c)))
@@ -792,7 +804,7 @@ def candidates(args, cluster):
     for values in itertools.product(*opts.values()):
         a = argparse.Namespace(**{**vars(args), **dict(zip(opts, values))})
         try:
-            flags.check_args(a, world, cluster.gpus_per_node)
+            flags.check_args(a, world, cluster.gpus_per_node, cluster.cuda)
         except SystemExit:
             continue
         yield a
@@ -882,6 +894,17 @@ def decide(args, cluster, verbose=True, exit_if_none=True):
     return args if chosen is None else argparse.Namespace(**{**vars(chosen), "memory": "manual"})
 
 
+def auto_line(args, cluster, s):
+    """What --memory auto would run instead of a plan that does not fit, every lever free (a manual plan's advice and
+    auto's choice agree: issue 42, Qwen3.5-35B-A3B on 8 x 80 GB)."""
+    free = argparse.Namespace(**{**vars(args), "explicit": [k for k in getattr(args, "explicit", ()) if k not in AUTO]})
+    chosen, _, _ = choose(free, cluster, s)
+    if chosen is None:
+        return "[plan] --memory auto finds no set-up of its levers that fits either"
+    return (f"[plan] --memory auto would run: {lever_flags(chosen, args) or '(the same levers)'} "
+            f"(estimated {sum(step_seconds(chosen, cluster, s).values()):.1f} s per step)")
+
+
 def render(pl, cluster, ranked=None, terms=True):
     """The plan as text: a phase x (GPU, host) table with every term, the verdict, the levers."""
     s = pl["shape"]
@@ -921,7 +944,7 @@ def parse(argv):
     if args.model is None:   # the embedded default: its model dir, built if needed
         args.model = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size)[0]
     cluster = Cluster(known.gpus_per_node, known.nodes, known.gpu_gb, known.host_gb, cuda=not known.cpu)
-    flags.check_args(args, cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node)
+    flags.check_args(args, cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node, cluster.cuda)
     return args, cluster, known
 
 
@@ -959,6 +982,8 @@ def main(argv):
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     print(render(pl, cluster, levers(args, cluster, s, pl)))
+    if not verdict(pl, cluster)[0] and cluster.cuda:
+        print(auto_line(args, cluster, s))
     if verdict(pl, cluster)[0]:
         print("[plan] faster, and still fits (one lever each; planner.COST's estimate per step):")
         print("\n".join(f"  {flag:<48} {-secs:+8.1f} s" for flag, secs in faster(args, cluster, s)[:8]) or "  nothing")
@@ -979,7 +1004,7 @@ def preflight(args, cluster, allow=False):
     fits, _ = verdict(pl, cluster)
     if fits:
         return render(pl, cluster, terms=False)
-    text = render(pl, cluster, levers(args, cluster, s, pl))
+    text = render(pl, cluster, levers(args, cluster, s, pl)) + ("\n" + auto_line(args, cluster, s) if cluster.cuda else "")
     if allow:
         return text + "\n[plan] does not fit; going on because of --skip_memory_preflight"
     raise SystemExit(text + "\n[plan] refusing to start; pass --skip_memory_preflight if you know better")

@@ -306,7 +306,7 @@ def test_a_vllm_share_that_cannot_hold_the_weights_does_not_fit():
              "--max_completion_length", "1024", "--per_device_train_batch_size", "1"]
     s = planner.model_shape("qwen2.5-vl-7b")
     fits, lines = planner.verdict(planner.plan(train.parse_args(flags), cluster, s), cluster)
-    assert not fits and "--vllm_gpu_memory_utilization 0.77 at least" in "\n".join(lines), lines
+    assert not fits and "--vllm_gpu_memory_utilization 0.78 at least" in "\n".join(lines), lines   # rounded up
     more = train.parse_args(flags + ["--vllm_gpu_memory_utilization", "0.8", "--sleep_level", "1"])
     assert planner.verdict(planner.plan(more, cluster, s), cluster)[0]
 
