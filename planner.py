@@ -171,6 +171,20 @@ def vllm_tensors(m):
     return sorted(fused.values(), reverse=True)
 
 
+def vllm_module(m):
+    """numel of the largest module vLLM holds (its own parameters, q/k/v and gate/up fused as in vllm_tensors; a layer's
+    experts one FusedMoE module; a tied lm_head none of its own): what its weight reload materializes at once."""
+    tied = m.get_output_embeddings().weight is m.get_input_embeddings().weight
+    own = {}
+    for name, p in m.named_parameters(remove_duplicate=False):
+        if tied and name == "lm_head.weight":
+            continue
+        key = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)).rsplit(".", 1)[0]
+        key = key.removesuffix(".gate_up_proj").removesuffix(".down_proj") if ".experts." in name else key
+        own[key] = own.get(key, 0) + p.numel()
+    return max(own.values())
+
+
 # torch's CUDA caching allocator takes memory from vLLM's CuMem pool in segments (c10/core/AllocatorConfig.h):
 # a tensor <= 1 MiB shares a 2 MiB segment, one < 10 MiB shares a 20 MiB one (kLargeBuffer,
 # CUDACachingAllocator.cpp), a larger one gets its own, rounded up to 2 MiB. At level-1 sleep vLLM copies
@@ -208,7 +222,7 @@ def model_shape(name):
     params = {id(p): p.numel() for p in m.parameters()}
     t, v = config.get_text_config(), config.vision_config
     blocks = [mod for mod in m.modules() if type(mod).__name__ == model.family(config)["sparse_block"]]
-    width, idle, moe_block = getattr(t, "intermediate_size", None), 0, 0
+    width, idle, moe_block, E, k = getattr(t, "intermediate_size", None), 0, 0, 0, 0
     if blocks:   # routed experts: (E, 2I, H) and (E, H, I) per sparse layer, a token runs through top-k of them
         E, k, I = t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size
         width = k * I + (getattr(t, "shared_expert_intermediate_size", 0) or 0)
@@ -229,7 +243,7 @@ def model_shape(name):
                      ssm_fp32=getattr(t, "mamba_ssm_dtype", None) == "float32")
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
                 n_merger=sum(p.numel() for name, c in m.model.visual.named_children() if "merger" in name for p in c.parameters()),
-                lora_io=lora_io(m), vllm_tensors=vllm_tensors(m),
+                lora_io=lora_io(m), vllm_tensors=vllm_tensors(m), vllm_module=vllm_module(m), experts=E, top_k=k,
                 # DeepSpeed's largest layer: a module's own parameters, or a sparse block's all (a ZeRO-3 leaf)
                 largest_layer=max([moe_block] + [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()]),
                 # a decoder layer's largest tensor (its weight gradient is a transient of backward) and a tied lm_head
@@ -517,6 +531,12 @@ def plan(args, cluster, s=None):
     # the sync never splits a decoder layer (rollout.sync_buckets): a layer past the budget (a mixture-of-experts
     # layer's experts: 1.2 GB in bf16 for Qwen3-VL-30B-A3B, 4.8 GB for 235B-A22B) is a bucket of its own
     add("gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_unit"] * p), ("sync",))
+    # vLLM's reload_weights (rollout.sync_weights) loads each module into a fresh copy of its parameters once all its
+    # weights have arrived, copies that into place and drops it (model_loader/reload/layerwise.py, _layerwise_process:
+    # materialize_layer): the largest module's at once, beside the bucket (a mixture-of-experts layer's experts: 1.2 GB
+    # for Qwen3-VL-30B-A3B, 12.9 GB / TP for Qwen3.5-397B-A17B; tests/test_planner.py runs vLLM's own on CPU)
+    add("gpu", "vLLM reload: a module's fresh copy (the largest)", s["vllm_module"] * p / args.vllm_tensor_parallel_size,
+        ("sync",))
     for k, v in update.items():
         add("gpu", k, v, ("update",))
     add("gpu", "log-prob chunk", chunk, ("old_ref_logps",))
@@ -552,6 +572,20 @@ def plan(args, cluster, s=None):
     add("host", "final model export (rank 0)", trains * p if args.use_peft else weights, ("checkpoint",))
     kv_token = kv_bytes_per_token(s, p, tp)
     cache, room = vllm_cache(args, cluster, s, p)
+    if args.routing_replay and s["experts"]:   # one expert id per token, layer and top-k slot, as vLLM keeps them
+        routed = s["L"] * s["top_k"] * (1 if s["experts"] <= 256 else 2)   # bytes a token (uint8 up to 256 experts)
+        # vLLM's AuxOutput connector on each engine's first rank (distributed/aux_output_connector/worker.py): a host
+        # store of every KV cache block's routing (BlockObjectStore, an anonymous mmap of num_blocks x block_size tokens,
+        # touched as the blocks fill), and the capturer's int32 buffer of a step's tokens on every GPU
+        # (RoutedExpertsCapturer.device_buffer, max_num_batched_tokens rows)
+        add("host", "routing replay: vLLM's store (KV cache tokens)", max(room, 0) / kv_token * routed * ranks / tp)
+        add("gpu", "routing replay: vLLM's capture buffer", vllm_batched_tokens(cluster) * s["L"] * s["top_k"] * 4,
+            ("vllm_start", "rollout", "validation"))
+        # each completion's record (train.Completion.routed_experts) through the step, and in the update the micro-batch's
+        # (R, T, L, k) int16 laid out on the GPU with each router's int64 copy (model.routing_replay_inputs, replay_routing)
+        add("host", "routing replay: the completions' records", args.rollout_batch_size // world * args.num_generations
+            * seq * routed * ranks, ("rollout", "old_ref_logps", "update"))
+        add("gpu", "routing replay: the micro-batch's experts", tokens * s["L"] * s["top_k"] * (2 + 8), ("update",))
     notes = [] if saves else [NO_SAVE]
     if room <= 0:
         notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "

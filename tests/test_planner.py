@@ -222,6 +222,72 @@ def test_cost_reproduces_the_h200_update_times(name):
     assert t == pytest.approx(seconds, rel=0.15), (name, t, seconds)
 
 
+def test_the_sync_counts_vllms_fresh_copy_of_its_largest_module():
+    """vLLM's reload_weights (rollout.sync_weights) loads each module into a fresh copy of its own parameters once all
+    of them have arrived, then copies it into place: run on CPU through vLLM's own layerwise reload, the peak is the
+    largest module's parameters, exactly. For a mixture-of-experts model that is a layer's experts (one FusedMoE module):
+    1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B, 4.8 GB for 122B-A10B and 235B-A22B, 12.9 GB for 397B-A17B,
+    split over vLLM's TP ranks, in the sync phase beside the gathered bucket (issue 42); for a dense one the embedding."""
+    import types
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    class Experts(torch.nn.Module):   # a FusedMoE's own parameters: w13 (E, 2I, H), w2 (E, H, I)
+        def __init__(self):
+            super().__init__()
+            self.w13, self.w2 = torch.nn.Parameter(torch.randn(16, 512, 256)), torch.nn.Parameter(torch.randn(16, 256, 256))
+    layers = torch.nn.Sequential(torch.nn.Linear(256, 1024), Experts(), torch.nn.Linear(1024, 256))
+    layerwise.record_metadata_for_reloading(layers)
+    sent = {n: torch.randn_like(p) for n, p in layers.named_parameters()}
+
+    def reload():
+        layerwise.initialize_layerwise_reload(layers)
+        for prefix, layer in layers.named_modules():
+            for name, param in list(layer._parameters.items()):
+                param.weight_loader(param, sent[f"{prefix}.{name}" if prefix else name])
+        layerwise.finalize_layerwise_reload(layers, types.SimpleNamespace(dtype=torch.float32))
+    reload()
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in layers.modules())
+    assert peak_of(reload) == largest * 4 and all(torch.equal(p, sent[n]) for n, p in layers.named_parameters())
+    for name, gb in (("qwen3-vl-30b-a3b", 1.2), ("qwen3.5-35b-a3b", 1.6), ("qwen3.5-122b-a10b", 4.8),
+                     ("qwen3-vl-235b-a22b", 4.8), ("qwen3.5-397b-a17b", 12.9), ("qwen2.5-vl-7b", 1.1)):
+        assert planner.model_shape(name)["vllm_module"] * 2 / 1e9 == pytest.approx(gb, abs=0.05), name
+    s = planner.model_shape("qwen3.5-35b-a3b")
+    args = train.parse_args(["--model", "qwen3.5-35b-a3b", "--bf16", "--vllm_tensor_parallel_size", "2"])
+    sync = planner.plan(args, planner.Cluster(8, 1, 80, 1024), s)["phases"]["sync"]["gpu"]
+    assert sync["vLLM reload: a module's fresh copy (the largest)"] == s["vllm_module"] * 2 / 2
+
+
+def test_routing_replay_counts_vllms_store_and_the_replayed_experts():
+    """--routing_replay on a GPU: vLLM's AuxOutput connector keeps, on each engine's first rank, a host store of the
+    routing of every KV cache block (num_blocks x block_size tokens x layers x top-k, uint8 up to 256 experts) and on
+    every rank an int32 capture buffer of a step's tokens; the trainer keeps each completion's record and, in the
+    update, the micro-batch's (R, T, L, k) int16 on the GPU with an int64 copy per router. Sizes from vLLM's code."""
+    import inspect
+
+    from vllm.distributed.aux_output_connector import worker
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer
+    src = inspect.getsource(routed_experts_capturer.RoutedExpertsCapturer.__init__)
+    assert '"uint8" if num_experts <= 256 else "uint16"' in src and "(max_num_batched_tokens, *self.shape_per_token)" in src
+    assert "dtype=torch.int32" in src
+    src = inspect.getsource(worker.AuxOutputWorkerConnector.__init__)
+    assert "block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize" in src
+    assert "max_bytes = kv_cache_config.num_blocks * hashes_per_kv_block * block_nbytes" in src
+    assert "if not get_tp_group().is_first_rank:" in src
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    s = planner.model_shape("qwen3-vl-30b-a3b")
+    flags = ["--model", "qwen3-vl-30b-a3b", "--bf16", "--rollout_batch_size", "64", "--vllm_gpu_memory_utilization", "0.9",
+             "--sleep_level", "2"]
+    on, off = (planner.plan(train.parse_args(flags + extra), cluster, s)["phases"] for extra in (["--routing_replay"], []))
+    _, room = planner.vllm_cache(train.parse_args(flags), cluster, s, 2)
+    per_token = 48 * 8   # 48 layers x top-8 of 128 experts, a byte each
+    assert room > 0 and on["rollout"]["host"]["routing replay: vLLM's store (KV cache tokens)"] == pytest.approx(
+        room / planner.kv_bytes_per_token(s, 2, 1) * per_token * 8)   # an engine per GPU (TP 1), 8 a node
+    assert on["rollout"]["gpu"]["routing replay: vLLM's capture buffer"] == 16384 * per_token * 4
+    assert on["update"]["gpu"]["routing replay: the micro-batch's experts"] > 0
+    assert not any(k.startswith("routing replay") for ph in off.values() for place in ph.values() for k in place)
+
+
 def test_a_run_that_cannot_fit_is_named_with_its_levers():
     """The 7B write-up: 8 x H100, 251 GB host, ZeRO-3 offload and vLLM level-1 sleep: host OOM."""
     args = train.parse_args(["--model", "7b", "--num_generations", "8", "--rollout_batch_size", "64",
