@@ -290,9 +290,9 @@ def check_args(args, world, local=None, cuda=None):
     # vLLM's AuxOutput connector keeps the routing on the first rank of a tensor-parallel group (rollout.engine_kwargs,
     # which refused it only at engine start: --memory auto offered TP 8 for Qwen3.5-35B-A3B, and the launch died there)
     need(not (args.routing_replay and cuda and args.vllm_tensor_parallel_size > 1),
-         f"--routing_replay with --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} on a GPU: vLLM returns the "
-         f"routing on the first rank of each tensor-parallel group only, and every rank trains on its own outputs (not "
-         f"built); use --vllm_tensor_parallel_size 1")
+         f"--routing_replay with --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} on a GPU: vLLM returns "
+         f"the routing on the first rank of each tensor-parallel group only, and every rank trains on its own outputs "
+         f"(not built); use --vllm_tensor_parallel_size 1")
     need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
          f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")
     # DeepSpeed 0.19.8, stage3.py: __init__ (lines 440-443) flattens the shards of the trainable parameters only

@@ -16,8 +16,9 @@ then train.py itself under the launcher (two steps each): the production cycle, 
 earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
 --offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
 mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training).
-Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel, and
-which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback).
+Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
+which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), and the update at
+Qwen2.5-VL-7B's shape (realsize: time, MFU, the peak beside the plan's terms, both layouts, checkpointing on and off).
 
 On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
 On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
@@ -415,9 +416,11 @@ def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, 
             x = b["inputs"]
             rows, tokens = x["input_ids"].shape[0], x["input_ids"].numel()
             images = int((x["mm_token_type_ids"] == 1).sum())
+            masked = layout == "shared_prefix" or rows > 1   # a 4-D mask: the shared prefix, or padding
             kept, moments = planner.update_bytes(s, p, gc, rows, tokens, images, x["completion_mask"].numel(),
-                                                 args.logprob_chunk_tokens, masked=layout == "shared_prefix" or rows > 1)
-            return {"activations": kept, **{f"backward: {k}": v for k, v in moments.items()}, "total": kept + max(moments.values())}
+                                                 args.logprob_chunk_tokens, masked)
+            return {"activations": kept, **{f"backward: {k}": v for k, v in moments.items()},
+                    "total": kept + max(moments.values())}
         worst = max(plan(b)["total"] for b in batches)
         if fits is not None and not fits(states + worst):
             out[name] = {"skipped": f"the plan needs {(states + worst) / GB:.1f} GB here", "plan_gb": worst / GB}
@@ -450,7 +453,8 @@ def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, 
         seconds = time.perf_counter() - t0
         k = max(range(len(batches)), key=peaks.__getitem__)
         tokens = sum(b["inputs"]["input_ids"].numel() for b in batches)
-        gpu = next((v for key, v in PEAK_TFLOPS.items() if device == "cuda" and key in torch.cuda.get_device_name(0)), None)
+        name_of = torch.cuda.get_device_name(0) if device == "cuda" else ""
+        gpu = next((v for key, v in PEAK_TFLOPS.items() if key in name_of), None)
         x = batches[k]["inputs"]
         out[name] = {"seconds": seconds, "tokens": tokens, "micro_batches": len(batches),
                      "achieved_tflops": 6 * s["n"] * tokens / seconds / 1e12,

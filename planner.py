@@ -14,9 +14,11 @@ the config; activations per text token and per image token are closed forms coun
 layers' saved tensors and checked against torch's own count on CPU (tests/test_planner.py).
 
 Where it was measured: the host terms on CPU (the tiny and a 100M model, 1 and 2 ranks, with and
-without the reference model: within 15% of the RSS peaks in metrics.jsonl, tests/test_planner.py).
-The GPU terms (CUDA context, vLLM's pool, pinned buffers) are unmeasured until a GPU runs
-`make gpu-check`, which writes the measured device memory per phase next to this plan.
+without the reference model: within 15% of the RSS peaks in metrics.jsonl, tests/test_planner.py); the
+update's terms (update_bytes) within 2% of five H200 measurements and 3% of torch's allocator on CPU, and COST's
+compute within 8% of the same five update times (issue 42). The other GPU terms (CUDA context, vLLM's pool, pinned
+buffers) are unmeasured until a GPU runs `make gpu-check`, which writes the measured device memory per phase next
+to this plan (its realsize item: the update beside update_bytes).
 Left out: pipeline parallelism, fragmentation (a 5% margin stands in for it).
 """
 import argparse
@@ -179,7 +181,8 @@ def vllm_module(m):
     for name, p in m.named_parameters(remove_duplicate=False):
         if tied and name == "lm_head.weight":
             continue
-        key = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)).rsplit(".", 1)[0]
+        fused = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
+        key = fused.rsplit(".", 1)[0]
         key = key.removesuffix(".gate_up_proj").removesuffix(".down_proj") if ".experts." in name else key
         own[key] = own.get(key, 0) + p.numel()
     return max(own.values())
@@ -322,10 +325,11 @@ def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, 
     layer = (tokens * act["text_recompute"] + kv_extra + mask) * gc + tied + max(
         2 * tokens * I * p, s["largest_param"] * p + tokens * I * p)
     patches = images * s["merge2"]
-    fixed = activation_bytes(s, p, True)["text_token"] - s["L"] * h * p   # per token outside the layers (embeddings, norm)
-    block = images * act["image_recompute"] + 2 * patches * s["vi"] * p + tied - (text - tokens * fixed)   # layers freed
+    fixed = activation_bytes(s, p, True)["text_token"] - s["L"] * h * p   # a token's outside the layers (embeddings)
+    # the vision tower's backward runs after the decoder layers': their inputs are freed by then
+    block = images * act["image_recompute"] + 2 * patches * s["vi"] * p + tied - (text - tokens * fixed)
     moments = {"log-prob chunks": chunk, "a decoder layer": layer, "a vision block": block}
-    if s["tied"]:   # the embedding's gradient joins the buffer last, everything else freed: out of place after one chunk
+    if s["tied"]:   # the embedding's gradient joins the buffer last, the rest freed: out of place after one chunk
         moments["the tied embedding"] = (3 if chunks == 1 else 2) * head - (text + vision - tokens * fixed)
     return text + vision, moments
 
@@ -468,7 +472,7 @@ def plan(args, cluster, s=None):
                                  args.logprob_chunk_tokens, masked, entropy_grad=bool(args.entropy_coef))
     moment = max(moments, key=moments.get)
     update = {"activations": kept, f"backward's peak ({moment})": moments[moment]}
-    # a pass without grad (old and reference log-probs): one chunk's bf16 lm_head output, its fp32 copy, the scaled logits
+    # a pass without grad (old and reference log-probs): a chunk's bf16 lm_head output, its fp32 copy, the scaled logits
     chunk = min(args.logprob_chunk_tokens, completion_rows) * s["V"] * (p + 8)
     # the log-prob passes keep no activations, but run the vision tower over the micro-batch's images and videos a
     # block at a time (its input and output, the MLP's hidden); G copies of each without the shared prefix
@@ -535,8 +539,7 @@ def plan(args, cluster, s=None):
     # weights have arrived, copies that into place and drops it (model_loader/reload/layerwise.py, _layerwise_process:
     # materialize_layer): the largest module's at once, beside the bucket (a mixture-of-experts layer's experts: 1.2 GB
     # for Qwen3-VL-30B-A3B, 12.9 GB / TP for Qwen3.5-397B-A17B; tests/test_planner.py runs vLLM's own on CPU)
-    add("gpu", "vLLM reload: a module's fresh copy (the largest)", s["vllm_module"] * p / args.vllm_tensor_parallel_size,
-        ("sync",))
+    add("gpu", "vLLM reload: a module's fresh copy (the largest)", s["vllm_module"] * p / tp, ("sync",))
     for k, v in update.items():
         add("gpu", k, v, ("update",))
     add("gpu", "log-prob chunk", chunk, ("old_ref_logps",))
@@ -575,14 +578,15 @@ def plan(args, cluster, s=None):
     if args.routing_replay and s["experts"]:   # one expert id per token, layer and top-k slot, as vLLM keeps them
         routed = s["L"] * s["top_k"] * (1 if s["experts"] <= 256 else 2)   # bytes a token (uint8 up to 256 experts)
         # vLLM's AuxOutput connector on each engine's first rank (distributed/aux_output_connector/worker.py): a host
-        # store of every KV cache block's routing (BlockObjectStore, an anonymous mmap of num_blocks x block_size tokens,
-        # touched as the blocks fill), and the capturer's int32 buffer of a step's tokens on every GPU
+        # store of every KV cache block's routing (BlockObjectStore, an anonymous mmap of num_blocks x block_size
+        # tokens, touched as the blocks fill), and the capturer's int32 buffer of a step's tokens on every GPU
         # (RoutedExpertsCapturer.device_buffer, max_num_batched_tokens rows)
         add("host", "routing replay: vLLM's store (KV cache tokens)", max(room, 0) / kv_token * routed * ranks / tp)
         add("gpu", "routing replay: vLLM's capture buffer", vllm_batched_tokens(cluster) * s["L"] * s["top_k"] * 4,
             ("vllm_start", "rollout", "validation"))
-        # each completion's record (train.Completion.routed_experts) through the step, and in the update the micro-batch's
-        # (R, T, L, k) int16 laid out on the GPU with each router's int64 copy (model.routing_replay_inputs, replay_routing)
+        # each completion's record (train.Completion.routed_experts) through the step, and in the update the
+        # micro-batch's (R, T, L, k) int16 on the GPU with each router's int64 copy (model.routing_replay_inputs,
+        # replay_routing)
         add("host", "routing replay: the completions' records", args.rollout_batch_size // world * args.num_generations
             * seq * routed * ranks, ("rollout", "old_ref_logps", "update"))
         add("gpu", "routing replay: the micro-batch's experts", tokens * s["L"] * s["top_k"] * (2 + 8), ("update",))
@@ -652,7 +656,7 @@ def worst(pl, cluster):
         if cluster.cuda:
             out.append(gpu - MARGIN * cluster.gpu_gb * GB)
         out.append((host if cluster.cuda else host * cluster.gpus_per_node) - HOST_MARGIN * cluster.host_gb * GB)
-    if pl.get("vllm_room", 1) <= 0:   # vLLM cannot start: its share lacks this much for its weights and 1 GB of KV cache
+    if pl.get("vllm_room", 1) <= 0:   # vLLM cannot start: its share lacks this for its weights and 1 GB of KV cache
         out.append(GB - pl["vllm_room"])
     return max(out)
 
@@ -699,8 +703,9 @@ def lever_list(args, cluster, s=None):
         L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
                   dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
     elif (need := math.ceil((args.vllm_gpu_memory_utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100) < 1:
-        # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: the plan said both)
-        L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need), None))
+        # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: it said both)
+        L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need),
+                  None))
     if cluster.gpus_per_node > 1:
         L.append((f"half the ranks per node ({half(cluster.gpus_per_node)}, twice the nodes)", {},
                   dataclasses.replace(cluster, gpus_per_node=half(cluster.gpus_per_node), nodes=cluster.nodes * 2)))
@@ -1038,7 +1043,9 @@ def preflight(args, cluster, allow=False):
     fits, _ = verdict(pl, cluster)
     if fits:
         return render(pl, cluster, terms=False)
-    text = render(pl, cluster, levers(args, cluster, s, pl)) + ("\n" + auto_line(args, cluster, s) if cluster.cuda else "")
+    text = render(pl, cluster, levers(args, cluster, s, pl))
+    if cluster.cuda:   # what --memory auto would run instead
+        text += "\n" + auto_line(args, cluster, s)
     if allow:
         return text + "\n[plan] does not fit; going on because of --skip_memory_preflight"
     raise SystemExit(text + "\n[plan] refusing to start; pass --skip_memory_preflight if you know better")

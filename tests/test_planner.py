@@ -150,7 +150,8 @@ def test_the_log_prob_chunks_moment_is_torchs_on_cpu():
             ts = grpo.token_logps(head, hidden, ids, chunks=4, with_entropy=True, entropy_grad=False)
             ts.logps.sum().backward()
         step()
-        moment = planner.update_bytes(dict(s, h=H), 2, True, 1, 1, 0, rows, rows // 4, masked=False)[1]["log-prob chunks"]
+        _, moments = planner.update_bytes(dict(s, h=H), 2, True, 1, 1, 0, rows, rows // 4, masked=False)
+        moment = moments["log-prob chunks"]
         assert peak_of(step) == pytest.approx(moment, rel=0.05), (H, rows, peak_of(step), moment)
 
 
@@ -164,23 +165,24 @@ H200_UPDATE = {   # name: (model, checkpointing, shared prefix, peak - weights -
     "7B standard": ("qwen2.5-vl-7b", True, False, 16.25, 73.7),
     "7B shared prefix, no checkpointing": ("qwen2.5-vl-7b", False, True, 43.79, 6.9),
 }
-# The micro-batches that can peak there, (rows, tokens per row, longest completion, image tokens per row), estimated from
-# the workload the issue states (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image; completions of
-# 200-500) and its token totals (31,664 with the shared prefix, 106,568 without): the mean over draws that give those
-# totals (docs/memory.md) of the longest shared-prefix row, of the row with the longest completion, and of the standard
-# layout's last micro-batch (the longest sequences: train.micro_batches sorts them).
+# The micro-batches that can peak there, (rows, tokens per row, longest completion, image tokens per row), estimated
+# from the workload the issue states (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image;
+# completions of 200-500) and its token totals (31,664 with the shared prefix, 106,568 without): the mean over draws
+# that give those totals (docs/memory.md) of the longest shared-prefix row, of the row with the longest completion,
+# and of the standard layout's last micro-batch (the longest sequences: train.micro_batches sorts them).
 H200_BATCHES = {True: [(1, 4327, 479, 1210), (1, 4105, 494, 1182)], False: [(8, 1877, 491, 1247)]}
 
 
 def with_logged_entropy_graph(s, kept, moments, completion_rows, chunk_tokens=256):
     """update_bytes' figures as 75c8cf3 ran the update, the logged entropy's graph alive (tests/test_grpo.py): every
     log-prob chunk's recomputed softmax, masked logits and mask, 9 B an entry, kept from its recompute to the end of the
-    backward. -> kept + the largest moment; the chunks' is then two chunks' of them beside the first, out-of-place sum of
-    lm_head's gradients (3 x V x h), or all of them beside the later, in-place ones (2 x V x h)."""
+    backward. -> kept + the largest moment; the chunks' is then two chunks' of them beside the first, out-of-place
+    sum of lm_head's gradients (3 x V x h), or all of them beside the later, in-place ones (2 x V x h)."""
     chunks = -(-completion_rows // chunk_tokens)
     n, V, head = -(-completion_rows // chunks), s["V"], s["V"] * s["h"] * 2
     graph = 9 * completion_rows * V
-    old = {"log-prob chunks": max(2 * 9 * n * V + 3 * head, graph + 2 * head, graph + head + planner.CHUNK_GRAD_BYTES * n * V),
+    chunk = max(2 * 9 * n * V + 3 * head, graph + 2 * head, graph + head + planner.CHUNK_GRAD_BYTES * n * V)
+    old = {"log-prob chunks": chunk,
            **{k: v + graph for k, v in moments.items() if k != "log-prob chunks"}}
     return kept + max(old.values())
 
@@ -201,8 +203,9 @@ def test_the_update_lands_within_10_percent_of_the_h200_measurements(name):
         new = max(new, kept + max(moments.values()))
     assert old / GB == pytest.approx(measured, rel=0.10), (name, old / GB, measured)
     assert (old - new) / GB > 3.5, (old - new) / GB
-    flags = ["--model", model, "--bf16", "--rollout_batch_size", "8", "--num_generations", "8", "--max_prompt_length", "1430",
-             "--max_completion_length", "500", "--max_pixels", str(1296 * 28 * 28), "--per_device_train_batch_size", "8",
+    flags = ["--model", model, "--bf16", "--rollout_batch_size", "8", "--num_generations", "8",
+             "--max_prompt_length", "1430", "--max_completion_length", "500", "--max_pixels", str(1296 * 28 * 28),
+             "--per_device_train_batch_size", "8",
              *([] if prefix else ["--no-shared_prefix"]), *([] if gc else ["--no-gradient_checkpointing"])]
     update = planner.plan(train.parse_args(flags), planner.Cluster(1, 1, 141, 1024), s)["phases"]["update"]["gpu"]
     planned = update["activations"] + next(v for k, v in update.items() if k.startswith("backward's peak"))
@@ -225,9 +228,10 @@ def test_cost_reproduces_the_h200_update_times(name):
 def test_the_sync_counts_vllms_fresh_copy_of_its_largest_module():
     """vLLM's reload_weights (rollout.sync_weights) loads each module into a fresh copy of its own parameters once all
     of them have arrived, then copies it into place: run on CPU through vLLM's own layerwise reload, the peak is the
-    largest module's parameters, exactly. For a mixture-of-experts model that is a layer's experts (one FusedMoE module):
-    1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B, 4.8 GB for 122B-A10B and 235B-A22B, 12.9 GB for 397B-A17B,
-    split over vLLM's TP ranks, in the sync phase beside the gathered bucket (issue 42); for a dense one the embedding."""
+    largest module's parameters, exactly. For a mixture-of-experts model that is a layer's experts (one FusedMoE
+    module): 1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B, 4.8 GB for 122B-A10B and 235B-A22B, 12.9 GB for
+    397B-A17B, split over vLLM's TP ranks, in the sync phase beside the gathered bucket (issue 42); for a dense model
+    the embedding."""
     import types
 
     from vllm.model_executor.model_loader.reload import layerwise
@@ -235,7 +239,8 @@ def test_the_sync_counts_vllms_fresh_copy_of_its_largest_module():
     class Experts(torch.nn.Module):   # a FusedMoE's own parameters: w13 (E, 2I, H), w2 (E, H, I)
         def __init__(self):
             super().__init__()
-            self.w13, self.w2 = torch.nn.Parameter(torch.randn(16, 512, 256)), torch.nn.Parameter(torch.randn(16, 256, 256))
+            self.w13 = torch.nn.Parameter(torch.randn(16, 512, 256))
+            self.w2 = torch.nn.Parameter(torch.randn(16, 256, 256))
     layers = torch.nn.Sequential(torch.nn.Linear(256, 1024), Experts(), torch.nn.Linear(1024, 256))
     layerwise.record_metadata_for_reloading(layers)
     sent = {n: torch.randn_like(p) for n, p in layers.named_parameters()}
@@ -268,7 +273,8 @@ def test_routing_replay_counts_vllms_store_and_the_replayed_experts():
     from vllm.distributed.aux_output_connector import worker
     from vllm.model_executor.layers.fused_moe import routed_experts_capturer
     src = inspect.getsource(routed_experts_capturer.RoutedExpertsCapturer.__init__)
-    assert '"uint8" if num_experts <= 256 else "uint16"' in src and "(max_num_batched_tokens, *self.shape_per_token)" in src
+    assert '"uint8" if num_experts <= 256 else "uint16"' in src
+    assert "(max_num_batched_tokens, *self.shape_per_token)" in src
     assert "dtype=torch.int32" in src
     src = inspect.getsource(worker.AuxOutputWorkerConnector.__init__)
     assert "block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize" in src
@@ -276,9 +282,10 @@ def test_routing_replay_counts_vllms_store_and_the_replayed_experts():
     assert "if not get_tp_group().is_first_rank:" in src
     cluster = planner.Cluster(8, 1, 80, 1024)
     s = planner.model_shape("qwen3-vl-30b-a3b")
-    flags = ["--model", "qwen3-vl-30b-a3b", "--bf16", "--rollout_batch_size", "64", "--vllm_gpu_memory_utilization", "0.9",
-             "--sleep_level", "2"]
-    on, off = (planner.plan(train.parse_args(flags + extra), cluster, s)["phases"] for extra in (["--routing_replay"], []))
+    flags = ["--model", "qwen3-vl-30b-a3b", "--bf16", "--rollout_batch_size", "64",
+             "--vllm_gpu_memory_utilization", "0.9", "--sleep_level", "2"]
+    on, off = (planner.plan(train.parse_args(flags + extra), cluster, s)["phases"]
+               for extra in (["--routing_replay"], []))
     _, room = planner.vllm_cache(train.parse_args(flags), cluster, s, 2)
     per_token = 48 * 8   # 48 layers x top-8 of 128 experts, a byte each
     assert room > 0 and on["rollout"]["host"]["routing replay: vLLM's store (KV cache tokens)"] == pytest.approx(
@@ -582,7 +589,8 @@ def test_memory_auto_picks_the_fastest_set_up_that_fits(case):
         if chosen.zero_offload != "none":
             assert not chosen.gradient_checkpointing
             kept = argparse.Namespace(**{**vars(chosen), "zero_offload": "none", "gradient_checkpointing": True})
-            assert planner.verdict(planner.plan(kept, cluster, s), cluster)[0] and secs < sum(planner.step_seconds(kept, cluster, s).values())
+            assert planner.verdict(planner.plan(kept, cluster, s), cluster)[0]
+            assert secs < sum(planner.step_seconds(kept, cluster, s).values())
     if case == "small_host":   # no level-1 pinned copy on a 64 GB host
         assert chosen.sleep_level != 1
     manual = sum(planner.step_seconds(args, cluster, s).values())   # ds_zero3.json's static offload of everything
@@ -727,10 +735,12 @@ def test_the_plan_agrees_with_published_runs(name):
         # TRL 0.14 took the logits of every position of the G sequences at once (Qwen2.5-VL had no logits_to_keep then):
         # the log-prob moment over G x 768 rows in one chunk, not over the completions' G x 256 that the plan counts
         g, update = args.num_generations, pl["phases"]["update"]["gpu"]
-        _, moments = planner.update_bytes(s, 2, args.gradient_checkpointing, g, g * 768, g * planner.prompt_image_tokens(args, s),
-                                          g * 768, g * 768, masked=True)
+        images = g * planner.prompt_image_tokens(args, s)
+        _, moments = planner.update_bytes(s, 2, args.gradient_checkpointing, g, g * 768, images, g * 768, g * 768,
+                                          masked=True)
         update = {**update, next(k for k in update if k.startswith("backward's peak")): max(moments.values())}
-        fits = sum(v for k, v in update.items() if not k.startswith("vLLM")) <= planner.MARGIN * cluster.gpu_gb * planner.GB
+        need = sum(v for k, v in update.items() if not k.startswith("vLLM"))
+        fits = need <= planner.MARGIN * cluster.gpu_gb * planner.GB
     else:
         fits = planner.verdict(pl, cluster)[0]
     assert fits == reported, (name, source, planner.verdict(pl, cluster)[1])
@@ -803,8 +813,9 @@ def test_kv_room_and_memory_auto_for_each_family(name):
         + seqs * planner.linear_state_bytes(s, 2, 1)
     assert (planner.linear_state_bytes(s, 2, 1) > 0) == (s["model_type"] == "qwen3_5")
     chosen, pl, _ = planner.choose(args, cluster, s)
-    assert chosen is not None and planner.verdict(pl, cluster)[0] and not (chosen.offload_optimizer or chosen.offload_model)
-    assert chosen.zero_offload == "none" or not chosen.gradient_checkpointing   # a static offload only to drop the recompute
+    assert chosen is not None and planner.verdict(pl, cluster)[0]
+    assert not (chosen.offload_optimizer or chosen.offload_model)
+    assert chosen.zero_offload == "none" or not chosen.gradient_checkpointing   # a static offload to drop the recompute
 
 
 def test_planning_a_cluster_takes_its_node_from_the_cluster_not_this_process(monkeypatch):
