@@ -8,6 +8,8 @@ import os
 import sys
 import traceback
 
+import torch
+
 import data
 import grpo
 import judge
@@ -386,9 +388,12 @@ def markdown(parser=None):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def check_args(args, world, local=None):
+def check_args(args, world, local=None, cuda=None):
     """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing.
-    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE)."""
+    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE); cuda: the run
+    is on GPUs (the planner's cluster; in a launch, whether torch sees one)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
@@ -452,6 +457,12 @@ def check_args(args, world, local=None):
          "--routing_replay with --num_iterations > 1, --kl_in_reward or --tools: not built. The first two take pi_old "
          "from a forward before update lays out the routing (learner.old_ref_logps), and a trajectory's routing is "
          "spread over one vLLM request per turn")
+    # vLLM's AuxOutput connector keeps the routing on the first rank of a tensor-parallel group (rollout.engine_kwargs,
+    # which refused it only at engine start: --memory auto offered TP 8 for Qwen3.5-35B-A3B, and the launch died there)
+    need(not (args.routing_replay and cuda and args.vllm_tensor_parallel_size > 1),
+         f"--routing_replay with --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} on a GPU: vLLM returns "
+         f"the routing on the first rank of each tensor-parallel group only, and every rank trains on its own outputs "
+         f"(not built); use --vllm_tensor_parallel_size 1")
     need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
          f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")
     # DeepSpeed 0.19.8, stage3.py: __init__ (lines 440-443) flattens the shards of the trainable parameters only

@@ -19,8 +19,9 @@ mixture-of-experts families with and without --routing_replay (vLLM's routed exp
 completion ended by a stop token), --tools (the zoom task's crops between turns) and videos (the motion task);
 and vLLM's GPU sampler under top-k / top-p against the trainer's truncated log-probs.
 Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
-which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), and the
-vision tower's attention as one varlen call per layer against transformers' loop over its windows.
+which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), the
+vision tower's attention as one varlen call per layer against transformers' loop over its windows, and the update at
+Qwen2.5-VL-7B's shape (realsize: time, MFU, the peak beside the plan's terms, both layouts, checkpointing on and off).
 
 On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
 On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
@@ -35,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -400,6 +402,159 @@ def qwen3_5_linear_attention_kernels(box):
     if "fallback" in kernels:
         raise AssertionError(kernels)
     return {"kernels": kernels}
+
+
+# ----------------------------------------------------------------------------- the update at a published shape
+# bf16 dense peak of a GPU, TFLOPS (the vendors' data sheets), for the MFU (6 x params x tokens / seconds / peak)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0, "L40S": 362.0}
+# issue 42's workload: 8 prompts of 1,157-1,430 tokens with one image of all but 121-134 of them, 8 completions each of
+# 200-500 tokens (random ids: the memory and the time do not depend on them)
+REALSIZE = dict(model="qwen2.5-vl-7b", prompts=8, generations=8, prompt_tokens=(1157, 1430), text_tokens=(121, 134),
+                completion_tokens=(200, 500))
+
+
+def realsize_groups(config, prompts, generations, prompt_tokens, text_tokens, completion_tokens, seed=0):
+    """Random train.Group records at a real shape for `config` (a Qwen2.5-VL or Qwen3-VL one): each prompt of
+    `prompt_tokens` (lo, hi) tokens, all but `text_tokens` of them one image on the model's grid, its patches random;
+    `generations` completions of `completion_tokens` each. Lengths drawn uniformly, seeded."""
+    import random
+
+    import train
+    rng, v = random.Random(seed), config.vision_config
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(config.get_text_config().vocab_size, config.vision_start_token_id)   # ids below the special tokens
+    groups = []
+    for _ in range(prompts):
+        P = rng.randint(*prompt_tokens)
+        want = P - rng.randint(*text_tokens) - 2                     # merged image tokens, between the vision start/end
+        gh = max(1, int(want ** 0.5))
+        gw = max(1, want // gh)
+        m = v.spatial_merge_size
+        image = gh * gw
+        ids = torch.randint(0, vocab, (1, P), generator=gen)
+        ids[0, 1], ids[0, 2 + image] = config.vision_start_token_id, config.vision_end_token_id
+        ids[0, 2:2 + image] = config.image_token_id
+        types_ = torch.zeros(1, P, dtype=torch.long)
+        types_[0, 2:2 + image] = 1
+        pixels = torch.randn(image * m * m, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, generator=gen)
+        sample = {"hf": {"input_ids": ids, "mm_token_type_ids": types_, "pixel_values": pixels,
+                         "image_grid_thw": torch.tensor([[1, gh * m, gw * m]])}}
+        comps = [train.Completion(index=k, token_ids=torch.randint(0, vocab, (rng.randint(*completion_tokens),),
+                                                                   generator=gen).tolist(),
+                                  sampler_logps=[], text="", finish_reason="stop") for k in range(generations)]
+        groups.append(train.Group(sample=sample, completions=comps))
+    return groups
+
+
+def cuda_peak(fn):
+    """fn() -> (its result, the most torch's allocator held above what it held before, bytes)."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - start
+
+
+def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, peak=cuda_peak, fits=None):
+    """The trainer's update at `config`'s shape on one device, a plain module (no ZeRO-3, no optimizer step): random
+    weights, sdpa, for each (layout, checkpointing) of `cases` train.micro_batches' layout of `groups` and, per
+    micro-batch, learner.completion_logps (the update's call) + the GRPO loss + backward, gradients accumulating in the
+    model's dtype. -> {case: figures}: seconds, tokens, MFU (where the device's peak is known), and the peak above the
+    weights and their gradients (the issue's "peak - weights - grads") next to planner.update_bytes for the micro-batch
+    that peaked, term by term. `fits(plan bytes)` False: the case is not run (the plan's figure is reported), so that
+    a layout the device cannot hold does not end the check in an OOM."""
+    import types
+
+    from transformers import AutoModelForImageTextToText
+
+    import learner
+    import planner
+    import train
+    with tempfile.TemporaryDirectory() as d:   # the plan's shape of this config (planner.model_shape reads a dir)
+        config.save_pretrained(d)
+        s = planner.model_shape(d)
+    p = torch.empty(0, dtype=dtype).element_size()
+    states = 2 * s["n"] * p   # the weights and, from the first backward on, their gradients
+    out, hf = {}, None
+    for layout, gc in cases:
+        name = f"{layout}, gradient checkpointing {'on' if gc else 'off'}"
+        args = train.parse_args(["--per_device_train_batch_size", str(len(groups[0].completions)),
+                                 "--shared_prefix" if layout == "shared_prefix" else "--no-shared_prefix"])
+        run = types.SimpleNamespace(args=args, pad_id=0, sampling=grpo.Sampling(), device=torch.device(device), rank=0)
+        batches = train.micro_batches(run, groups)
+
+        def plan(b):
+            x = b["inputs"]
+            rows, tokens = x["input_ids"].shape[0], x["input_ids"].numel()
+            images = int((x["mm_token_type_ids"] == 1).sum())
+            masked = layout == "shared_prefix" or rows > 1   # a 4-D mask: the shared prefix, or padding
+            kept, moments = planner.update_bytes(s, p, gc, rows, tokens, images, x["completion_mask"].numel(),
+                                                 args.logprob_chunk_tokens, masked)
+            return {"activations": kept, **{f"backward: {k}": v for k, v in moments.items()},
+                    "total": kept + max(moments.values())}
+        worst = max(plan(b)["total"] for b in batches)
+        if fits is not None and not fits(states + worst):
+            out[name] = {"skipped": f"the plan needs {(states + worst) / GB:.1f} GB here", "plan_gb": worst / GB}
+            continue
+        if hf is None:
+            with policy_model.outside_zero3(), torch.device(device):
+                hf = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            hf.config.use_cache = False
+            hf.forward = types.MethodType(policy_model.logps_forward, hf)
+            hf.train()
+        if gc:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_disable()
+
+        def step(b):
+            ts = learner.completion_logps(hf, b, run, with_entropy=True, with_kept=True)
+            cmask = b["inputs"]["completion_mask"].to(device)
+            adv = torch.linspace(-1, 1, cmask.shape[0], device=device)
+            loss, _ = grpo.grpo_loss(ts.logps, ts.logps.detach(), adv, cmask)
+            loss.backward()
+        step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))   # warm-up; the gradients exist from here on
+        peaks = []
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for b in batches:
+            peaks.append(peak(lambda: step(b))[1])
+        sync()
+        seconds = time.perf_counter() - t0
+        k = max(range(len(batches)), key=peaks.__getitem__)
+        tokens = sum(b["inputs"]["input_ids"].numel() for b in batches)
+        name_of = torch.cuda.get_device_name(0) if device == "cuda" else ""
+        gpu = next((v for key, v in PEAK_TFLOPS.items() if key in name_of), None)
+        x = batches[k]["inputs"]
+        out[name] = {"seconds": seconds, "tokens": tokens, "micro_batches": len(batches),
+                     "achieved_tflops": 6 * s["n"] * tokens / seconds / 1e12,
+                     "mfu": 6 * s["n"] * tokens / seconds / (gpu * 1e12) if gpu else None,
+                     "peak_micro_batch": {"rows": x["input_ids"].shape[0], "tokens": x["input_ids"].numel(),
+                                          "completions": list(x["completion_mask"].shape),
+                                          "image_tokens": int((x["mm_token_type_ids"] == 1).sum())},
+                     "measured_gb": peaks[k] / GB, "plan_gb": {t: v / GB for t, v in plan(batches[k]).items()},
+                     "plan_seconds": planner.compute_seconds(s, s["n_active"], tokens, sum(
+                         int((b["inputs"]["mm_token_type_ids"] == 1).sum()) for b in batches), gc)
+                     + len(batches) * (2 + gc) * planner.COST["pass_overhead_s"]}
+        hf.zero_grad(set_to_none=True)
+    return out
+
+
+@item
+def realsize(box):
+    """The update at Qwen2.5-VL-7B's shape (planner.builtin_config, random weights) on this GPU as a plain module, bf16,
+    sdpa: issue 42's 8 prompts x 8 completions in the shared-prefix and the standard layout, gradient checkpointing on
+    and off; per case the time, MFU, and the peak above weights and gradients beside the plan's terms (a case the plan
+    says cannot fit here is reported, not run). About 2 minutes on an H200."""
+    import planner
+    config = planner.builtin_config(REALSIZE["model"])
+    groups = realsize_groups(config, REALSIZE["prompts"], REALSIZE["generations"], REALSIZE["prompt_tokens"],
+                             REALSIZE["text_tokens"], REALSIZE["completion_tokens"])
+    total = torch.cuda.get_device_properties(0).total_memory
+    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
+    return realsize_update(config, cases, groups, fits=lambda need: need < 0.9 * total)
 
 
 # ------------------------------------------------------------------------ items with vLLM: train.py under the launcher

@@ -165,8 +165,8 @@ def _log_kept(logits, lse, top_k, top_p):
     return torch.logsumexp(logits, dim=-1) - lse                   # (n,)
 
 
-def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
-    return _VocabStats.apply(lm_head(hidden), token_ids, sampling, with_entropy, with_kept)   # (n,) each
+def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
+    return _VocabStats.apply(lm_head(hidden), token_ids, sampling, with_entropy, with_kept, entropy_grad)   # (n,) each
 
 
 class _VocabStats(torch.autograd.Function):
@@ -180,7 +180,7 @@ class _VocabStats(torch.autograd.Function):
     saved log-softmax is recomputed in backward, so the chunk's memory stays one or two (n, V) buffers."""
 
     @staticmethod
-    def forward(ctx, logits, token_ids, sampling, with_entropy, with_kept):
+    def forward(ctx, logits, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
         # The float32 logits, scaled and filled in place: the logits themselves when they are float32 (only this
         # function reads lm_head's output; a saved use would fail autograd's version check, not compute wrong).
         x = logits.float()                                             # (n, V)
@@ -201,7 +201,8 @@ class _VocabStats(torch.autograd.Function):
             log_kept = _log_kept(x, x.amax(-1) - logp.amax(-1), sampling.top_k, sampling.top_p)
         ctx.save_for_backward(logp, token_ids, banned, entropy if with_entropy else None)
         ctx.temperature, ctx.dtype = sampling.temperature, logits.dtype
-        ctx.mark_non_differentiable(*(t for t in (log_kept,) if t is not None))
+        # a logged entropy (entropy_grad False: not in the loss) carries no gradient, so no graph holds it (token_logps)
+        ctx.mark_non_differentiable(*(t for t in (log_kept, None if entropy_grad else entropy) if t is not None))
         ctx.set_materialize_grads(False)
         return picked, log_kept, entropy
 
@@ -212,7 +213,7 @@ class _VocabStats(torch.autograd.Function):
         # and, with the entropy, one more.
         logp, token_ids, banned, entropy = ctx.saved_tensors
         if d_picked is None and d_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         if d_entropy is None:
             g = logp.exp_().mul_(-d_picked.unsqueeze(-1))              # (n, V)
         else:
@@ -225,11 +226,11 @@ class _VocabStats(torch.autograd.Function):
             g.index_fill_(-1, banned, 0.0)
         if ctx.temperature != 1.0:
             g.div_(ctx.temperature)
-        return g.to(ctx.dtype), None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None
 
 
 def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,
-                chunks=None):
+                chunks=None, entropy_grad=True):
     """Log-probs of `token_ids` under `sampling`'s distribution: softmax(lm_head(hidden) / temperature) with
     the banned ids at probability 0, as the sampler's logit_bias gives them, `chunk_tokens` rows of logits
     at a time. With `with_entropy`, the entropy of that distribution per token, from the same chunk of
@@ -241,13 +242,18 @@ def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=10
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
     chunk too. -> TokenStats, each (B, C) or None.
     `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
-    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches)."""
+    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches).
+    `entropy_grad` False: the entropy has no gradient (logged, not in the loss). An entropy with a gradient that
+    the loss never uses keeps its graph alive, and with it every chunk's recomputed tensors that graph saved (the
+    softmax, the masked logits and their mask: 9 B per row and vocabulary entry) until the stats are freed:
+    torch.utils.checkpoint keeps a recomputed tensor for each saved one whose holder still lives (_recomputation_hook).
+    That was 5 GB at 8 x 500 completion tokens on an H200 (issue 42)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
     size = chunk_tokens if chunks is None else -(-B * C // chunks)
     parts = []
     for s in range(0, size * chunks if chunks else B * C, size):
-        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept)
+        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept, entropy_grad)
         if torch.is_grad_enabled() and flat_h.requires_grad:
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:

@@ -18,10 +18,11 @@ def completion_logps(engine, batch, run, with_entropy=False, with_kept=False, sa
     """Per-token statistics of one micro-batch's completions (policy or reference engine) under `sampling` (by
     default run.sampling, the distribution vLLM samples from), from one pass over the vocabulary -> grpo.TokenStats,
     each (B, C): logps; with `with_kept` (and top-k or top-p) the log of the mass the sampler's truncation keeps;
-    with `with_entropy` the entropy."""
+    with `with_entropy` the entropy, with a gradient only where the loss takes it (--entropy_coef; a logged one with its
+    graph held 9 B per token and vocabulary entry: grpo.token_logps)."""
     return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, sampling=sampling or run.sampling,
                   chunks=batch["chunks"], vision_calls=batch.get("vision_calls", 1), with_entropy=with_entropy,
-                  with_kept=with_kept)
+                  with_kept=with_kept, entropy_grad=bool(run.args.entropy_coef))
 
 
 def to_rows(values, device):

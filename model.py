@@ -143,14 +143,15 @@ PREFIX_INPUTS = ("prompt_mask", "offset", "part", "targets", "index")   # data.c
 
 
 def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grpo.Sampling(), chunk_tokens=1024,
-                  with_entropy=False, with_kept=False, chunks=None, vision_calls=1, **mm):
+                  with_entropy=False, with_kept=False, chunks=None, vision_calls=1, entropy_grad=True, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
     ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats, each (B, C): the
     log-probs, with `with_kept` the log of the mass top-k / top-p keep, with `with_entropy` the entropy),
     never full logits, of the distribution the sampler draws from (`sampling`, a grpo.Sampling). `mm`:
     only MM_INPUTS that this model's own forward names (each family's, checked). `vision_calls`: how many times
     the vision tower runs (train.micro_batches: the most any rank's micro-batch needs, one for its images and one
-    for its videos); what this one's images and videos leave are dummy runs."""
+    for its videos); what this one's images and videos leave are dummy runs. `entropy_grad` False: the entropy is
+    logged without a gradient (grpo.token_logps)."""
     import inspect
     prefix = [mm.pop(k, None) for k in PREFIX_INPUTS]
     routed = mm.pop("routed_experts", None)   # --routing_replay: (B, T, L, k) vLLM's experts (routing_replay_inputs)
@@ -190,7 +191,8 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grp
     finally:
         if hook is not None:
             hook.remove()
-    ts = grpo.token_logps(self.lm_head, hidden, targets, sampling, chunk_tokens, with_entropy, with_kept, chunks)
+    ts = grpo.token_logps(self.lm_head, hidden, targets, sampling, chunk_tokens, with_entropy, with_kept, chunks,
+                          entropy_grad)
     # A shorter completion's window (right-aligned, data.collate) starts inside its prompt, whose control
     # tokens are banned: log-prob -inf there, and -inf x a mask of 0 is NaN in the loss. Zero them, gradient too.
     ts.logps = ts.logps.masked_fill(completion_mask == 0, 0.0)

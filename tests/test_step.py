@@ -754,6 +754,24 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_the_update_logs_the_entropy_without_a_graph_unless_it_trains(tiny_default, coef):
+    """learner.update asks completion_logps for the entropy to log it. At --entropy_coef 0 it is never backpropagated,
+    and with its graph alive the log-prob checkpoint kept every chunk's recomputed (rows, V) tensors (9 B an entry)
+    through the backward (issue 42: 5 GB on an H200, tests/test_grpo.py measures it): it comes without a gradient
+    then, and with one where the loss takes it."""
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = tiny_default
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--entropy_coef", str(coef)])
+    sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
+    model = model_py.load_model(model_dir, args, torch.float32)
+    batch = data.collate([sample, sample], [[5, 6, 7], [8]], processor.tokenizer.pad_token_id, [])
+    run = types.SimpleNamespace(args=args, device=torch.device("cpu"), sampling=grpo.Sampling())
+    ts = learner.completion_logps(model, {"inputs": batch, "chunks": 2}, run, with_entropy=True)
+    assert ts.logps.requires_grad and ts.entropy.requires_grad == (coef > 0)
+
+
 @pytest.mark.parametrize("arch,loss", [("qwen2_5_vl", "token"), ("qwen3_vl", "token"), ("qwen2_5_vl", "sequence"),
                                        ("qwen2_5_vl", "dr_grpo"), ("qwen3_vl", "gspo")])
 def test_shared_prefix_forward_equals_the_standard_one(arch, loss):
