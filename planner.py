@@ -554,6 +554,9 @@ def plan(args, cluster, s=None):
             add("host", "reference model", weights / world * ranks, TRAINER)
         else:
             add("gpu", "reference model", weights / world, TRAINER)
+        if getattr(args, "ref_ema", 0) and p < 4:   # --ref_ema: fp32 masters of its partitions, where they live
+            add("host" if args.ref_offload else "gpu", "reference's fp32 masters (--ref_ema)",
+                s["n"] * 4 / world * (ranks if args.ref_offload else 1), TRAINER)
     # ---- vLLM: its pool is --vllm_gpu_memory_utilization of the device while awake (weights, KV, profile)
     # With sleep, train.sync wakes the weights alone, syncs, offloads the trainer states, and only then
     # wakes the KV cache: the sync phase holds vLLM's weights, not its pool, beside the trainer states.

@@ -317,3 +317,16 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
     for k in (*SAME, "train/sft_nll", "sampling/temperature"):
         assert last[0].get(k) == again[0].get(k), (k, last[0].get(k), again[0].get(k))
     assert last[0]["sampling/temperature"] == pytest.approx(0.7) and last[0]["train/sft_nll"] > 0
+
+
+def test_the_plan_counts_the_ema_references_fp32_masters():
+    """--ref_ema beside a bf16 reference keeps an fp32 master of each of its partitions (startup.fp32_masters): 4 bytes
+    a parameter over the ranks, on the reference's device (the GPU, or host RAM with --ref_offload)."""
+    import planner
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
+    s = planner.model_shape("qwen2.5-vl-7b")
+    base = ["--model", "qwen2.5-vl-7b", "--bf16", "--beta", "0.04", "--no-ref_offload"]
+    key = "reference's fp32 masters (--ref_ema)"
+    gpu = planner.plan(train.parse_args(base + ["--ref_ema", "0.99"]), cluster, s)["phases"]["update"]["gpu"]
+    assert gpu[key] == pytest.approx(s["n"] * 4 / 8)
+    assert key not in planner.plan(train.parse_args(base), cluster, s)["phases"]["update"]["gpu"]
