@@ -68,6 +68,23 @@ def parts(tiny_default, world1):
     return processor, args, pool[:4], pool
 
 
+def allocations(fn):
+    """fn() under torch's profiler -> (its result, the bytes of torch CPU tensors allocated at each of its allocator
+    events, counted from what was allocated before fn). CPU's allocator holds exactly the tensors a device's would:
+    the tests of the planner's terms and of what a pass keeps read them here (peak: max, kept: the last)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    return out, [total - (mem[0][1] - mem[0][2]) for _, total, _ in mem]
+
+
 _PORTS = []   # [the open lock file that holds this process's block, the block's first port, the next to try]
 
 

@@ -19,7 +19,7 @@ import gpu_check
 import model
 import rollout
 import train
-from conftest import ROOT, tiny_of
+from conftest import ROOT, allocations, tiny_of
 
 NEW_ITEMS = ("lora_sync_merged", "lora_sync_adapter", "shared_prefix_equals_standard", "frozen_vision_tower_offload",
              "qwen3_5_training_and_vllm", "qwen3_5_linear_attention_kernels", "vision_attention_one_call",
@@ -290,18 +290,9 @@ def test_sampler_item_body_agrees_on_cpu(tmp_path, llm):
     assert all(f["logp_diff_max"] < 1e-5 and f["tokens"] >= 8 for f in figures.values()), figures
 def cpu_peak(fn):
     """gpu_check.cuda_peak on CPU: fn() -> (its result, the most torch CPU tensor bytes allocated at once above what was
-    allocated before), from the allocator's events as torch's profiler records them."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-    return out, max(m[1] for m in mem) - (mem[0][1] - mem[0][2])
+    allocated before)."""
+    out, allocated = allocations(fn)
+    return out, max(allocated)
 
 
 def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):

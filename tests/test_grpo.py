@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import grpo
+from conftest import allocations
 
 
 def test_ratio_one_gives_minus_mean_advantage():
@@ -209,20 +210,9 @@ def test_a_chunk_makes_few_vocabulary_sized_buffers():
         (ts.logps.sum() + 0.1 * ts.entropy.sum()).backward()
     assert len(fresh.ops) <= 7, fresh.ops
 def live_after(fn):
-    """Bytes of torch CPU tensors that fn allocated and that are still allocated when it returns (torch's allocator
-    events, as the profiler records them), and fn's result."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-    return mem[-1][1] - (mem[0][1] - mem[0][2]), out
+    """Bytes of torch CPU tensors that fn allocated and that are still allocated when it returns, and fn's result."""
+    out, allocated = allocations(fn)
+    return allocated[-1], out
 
 
 def test_a_logged_entropy_keeps_no_recomputed_chunk_past_the_backward():

@@ -2,13 +2,11 @@
 estimator, vLLM's KV page size, torch's count of the activations a forward keeps, the RSS peaks
 per phase of real runs (tiny and 100M models, 1 and 2 ranks, with and without the reference)."""
 import argparse
-import json
 import math
 import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import model
 import planner
 import startup
 import train
-from conftest import ROOT, launch
+from conftest import ROOT, allocations, launch
 
 GB = 1024 ** 3
 
@@ -85,15 +83,8 @@ def test_zero_terms_add_up_to_deepspeeds_estimator(flags):
 def kept_by_forward(fn):
     """Bytes a forward leaves allocated (what backward will need, plus its output), from torch's own
     allocator events: CPU, like the device, holds exactly these tensors."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-    return mem[-1][1] - (mem[0][1] - mem[0][2]) - out.numel() * out.element_size()
+    out, allocated = allocations(fn)
+    return allocated[-1] - out.numel() * out.element_size()
 
 
 @pytest.mark.parametrize("size", ["tiny", "100m"])
@@ -122,15 +113,7 @@ def test_activation_terms_agree_with_torch(size):
 
 def peak_of(fn):
     """The most torch CPU tensor bytes allocated at once while fn runs, above what was allocated before it."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-    return max(m[1] for m in mem) - (mem[0][1] - mem[0][2])
+    return max(allocations(fn)[1])
 
 
 def test_the_log_prob_chunks_moment_is_torchs_on_cpu():
