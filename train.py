@@ -556,13 +556,19 @@ def train_step(run, step, m):
 
 
 def judge_gave_up(run, step, m):
-    """Whether the judge (--reward_funcs judge) gave no score in --judge_max_failed_steps steps in a row, from the
-    step's reduced metrics (the same on every rank). A step in which it scored anything resets the count."""
+    """The message to stop with when the judge (--reward_funcs judge) gave no score in --judge_max_failed_steps steps
+    in a row, else None; from the step's reduced metrics (the same on every rank). A step in which it scored
+    anything resets the count."""
     if "judge" not in run.args.reward_funcs:
-        return False
+        return None
     failed = sum(v for k, v in m.items() if k.startswith("judge/failed_"))
     run.judge_silent = run.judge_silent + 1 if m.get("judge/requests", 0) and failed >= m["judge/requests"] else 0
-    return run.judge_silent >= run.args.judge_max_failed_steps
+    if run.judge_silent < run.args.judge_max_failed_steps:
+        return None
+    reasons = ", ".join(k[len("judge/failed_"):] for k in m if k.startswith("judge/failed_"))
+    return (f"error: the judge at {run.args.judge_url} gave no score in {run.judge_silent} steps in a row ({reasons}); "
+            f"checkpoint-{step} is written. Check the server (and --judge_model, --judge_api_key_env), then relaunch: "
+            f"the run resumes")
 
 
 def main(argv=None):
@@ -586,12 +592,10 @@ def main(argv=None):
             log_step(run, step, m, groups, stats)
             if run.master:
                 bar.set_postfix_str(step_line(m))
-            if judge_gave_up(run, step, m):   # --judge_max_failed_steps steps without one score: stop, saved
+            if why := judge_gave_up(run, step, m):   # --judge_max_failed_steps steps without one score: stop, saved
                 save(run, step)
                 finish(run, export=False)
-                sys.exit(f"error: the judge at {args.judge_url} gave no score in {run.judge_silent} steps in a row "
-                         f"({', '.join(k[6:] for k in m if k.startswith('judge/failed_'))}); checkpoint-{step} is written. "
-                         f"Check the server (and --judge_model, --judge_api_key_env), then relaunch: the run resumes")
+                sys.exit(why)
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
                     validate(run, step, {})
