@@ -498,8 +498,9 @@ def pick_checkpoint(args, rank, world):
                          f"checked in {time.perf_counter() - t:.2f} s)" if files is not None else
                          ": saved before checkpoints had a manifest, its files are not checked"))
             saved_world = state.get("world") or saved_ranks(chosen)
-            lines, refusal = changed_flags(state["args"], vars(args), saved_world, world, args.accept_changed_flags,
-                                           os.path.basename(chosen))
+            lines, refusal = flags.changed_flags(state["args"], vars(args), saved_world, world,
+                                                 args.accept_changed_flags, os.path.basename(chosen),
+                                                 planner.AUTO if args.memory == "auto" else ())
             said += lines
             if not refusal:
                 lines, refusal = changed_data(state.get("data"), args, os.path.basename(chosen))
@@ -633,54 +634,6 @@ def disk_full(error, output_dir, last):
         return shutil.disk_usage(output_dir).free < max(checkpoint_bytes(last) if last else 0, 256 << 20)
     except OSError:
         return False
-
-
-# ----------------------------------------------------------------------------- a relaunch's flags
-# A relaunch that changes a flag of flags.CHANGES_THE_STATE is refused by name: it would go on from another run's
-# weights, data position or objective as if they were its own. Every other flag (flags.STEERS) only steers the rest
-# of the run: applied, and said. The rule and every flag's side of it are in flags.py, next to the flags.
-CHANGES_THE_STATE = flags.CHANGES_THE_STATE
-# set-up decides these after the comparison (the limits: from the data and the tools, data.data_limits), when no
-# launch gave them: compared only where one did
-DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
-                    "offload_model", "limit_images", "limit_videos"}
-NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data",
-                "check_data"}
-
-
-def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint"):
-    """This launch's flags (`now`, vars(args)) against those its checkpoint was saved with (`saved`,
-    trainer_state.json's "args"). -> (lines that say each change, the refusal or None). A change in
-    CHANGES_THE_STATE is refused unless `accept` names it (--accept_changed_flags). Another number of ranks
-    is said: resume loads the state through DeepSpeed's universal checkpoint (to_universal)."""
-    given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
-    later = set(DECIDED_AT_SETUP)
-    if now.get("memory") == "auto":   # the planner picks its levers after this comparison
-        later |= set(planner.AUTO)
-    said, refused = [], []
-    for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
-        old, new = saved[flag], now[flag]
-        if old == new or (flag in later and flag not in given):
-            continue
-        line = f"--{flag} {_shown(old)} -> {_shown(new)}"
-        if flag in CHANGES_THE_STATE and flag not in (accept or ()):
-            refused.append(f"  {line}: {CHANGES_THE_STATE[flag]}")
-        else:
-            said.append(f"[resume] {line}: {'accepted' if flag in CHANGES_THE_STATE else 'applied'} from here on")
-    if saved_world != world:
-        said.append(f"[resume] {name} was saved by {saved_world} ranks and this launch has {world}: its ZeRO-3 state "
-                    f"loads through DeepSpeed's universal checkpoint, and the data position and random streams are "
-                    f"carried over (docs/resilience.md, another number of GPUs)")
-    if not refused:
-        return said, None
-    names = " ".join(line.split()[0][2:] for line in refused)
-    return said, (f"error: this launch changes what the state in {name} means:\n" + "\n".join(refused) +
-                  "\nA resume would go on from it as if it were this run's. For a new run choose another "
-                  f"--output_dir; to go on from this state anyway, name the changes: --accept_changed_flags {names}")
-
-
-def _shown(value):
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def export_model(engine, processor, out_dir, master, merged=False):

@@ -179,7 +179,7 @@ def build_parser():
     return p
 
 
-# What a relaunch into a run's folder may change (checkpoint.changed_flags): one rule, and every flag of build_parser
+# What a relaunch into a run's folder may change (changed_flags, below): one rule, and every flag of build_parser
 # classified by it below (tests/test_flags.py fails on a flag in neither). A flag that changes what the saved state
 # means names what it changes, and a resume that changes it is refused by name (--accept_changed_flags overrides):
 # which model and which of its parts train; the data, its order, and what the model sees of a sample (the prompt,
@@ -219,6 +219,48 @@ STEERS = {
     # the judge's address, patience and key's variable: the same grades from the same judge
     "judge_url", "judge_concurrency", "judge_timeout_s", "judge_retries", "judge_api_key_env", "judge_max_failed_steps",
 }
+
+
+# set-up decides these after the comparison (the limits: from the data and the tools, data.data_limits), when no
+# launch gave them: compared only where one did
+DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
+                    "offload_model", "limit_images", "limit_videos"}
+NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data",
+                "check_data"}
+
+
+def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint", decided_later=()):
+    """This launch's flags (`now`, vars(args)) against those its checkpoint was saved with (`saved`,
+    trainer_state.json's "args"), by the rule above (checkpoint.pick_checkpoint). -> (lines that say each change, the
+    refusal or None). A change in CHANGES_THE_STATE is refused unless `accept` names it (--accept_changed_flags).
+    `decided_later`: flags the launch decides after the comparison when it did not give them (--memory auto's levers,
+    planner.AUTO). Another number of ranks is said: resume loads the state through DeepSpeed's universal checkpoint."""
+    given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
+    later = DECIDED_AT_SETUP | set(decided_later)
+    said, refused = [], []
+    for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
+        old, new = saved[flag], now[flag]
+        if old == new or (flag in later and flag not in given):
+            continue
+        line = f"--{flag} {_shown(old)} -> {_shown(new)}"
+        if flag in CHANGES_THE_STATE and flag not in (accept or ()):
+            refused.append(f"  {line}: {CHANGES_THE_STATE[flag]}")
+        else:
+            said.append(f"[resume] {line}: {'accepted' if flag in CHANGES_THE_STATE else 'applied'} from here on")
+    if saved_world != world:
+        said.append(f"[resume] {name} was saved by {saved_world} ranks and this launch has {world}: its ZeRO-3 state "
+                    f"loads through DeepSpeed's universal checkpoint, and the data position and random streams are "
+                    f"carried over (docs/resilience.md, another number of GPUs)")
+    if not refused:
+        return said, None
+    names = " ".join(line.split()[0][2:] for line in refused)
+    return said, (f"error: this launch changes what the state in {name} means:\n" + "\n".join(refused) +
+                  "\nA resume would go on from it as if it were this run's. For a new run choose another "
+                  f"--output_dir; to go on from this state anyway, name the changes: --accept_changed_flags {names}")
+
+
+def _shown(value):
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.

@@ -64,20 +64,20 @@ def test_a_relaunch_says_the_flags_it_applies_and_refuses_those_that_change_the_
     saved = vars(flags.parse_args(["--save_steps", "2"]))          # the tiny default: lr 1e-3, 16 generations
     saved["per_device_train_batch_size"] = 32                       # what set-up derived and trainer_state.json holds
     now = vars(flags.parse_args(["--save_steps", "5", "--learning_rate", "5e-4", "--max_steps", "400"]))
-    said, refusal = checkpoint.changed_flags(saved, now, 2, 2)
+    said, refusal = flags.changed_flags(saved, now, 2, 2)
     assert refusal is None and said == ["[resume] --learning_rate 0.001 -> 0.0005: applied from here on",
                                         "[resume] --max_steps 300 -> 400: applied from here on",
                                         "[resume] --save_steps 2 -> 5: applied from here on"]
     other = {**saved, "num_generations": 8, "model": "other/model"}
-    said, refusal = checkpoint.changed_flags(saved, other, 2, 2, name="checkpoint-4")
+    said, refusal = flags.changed_flags(saved, other, 2, 2, name="checkpoint-4")
     assert said == [] and refusal.startswith("error: this launch changes what the state in checkpoint-4 means:")
     assert "  --model None -> other/model: the model" in refusal
     assert "  --num_generations 16 -> 8: the group size" in refusal
     assert "choose another --output_dir" in refusal
     assert refusal.endswith("name the changes: --accept_changed_flags model num_generations")
-    said, refusal = checkpoint.changed_flags(saved, other, 2, 2, accept=["model", "num_generations"])
+    said, refusal = flags.changed_flags(saved, other, 2, 2, accept=["model", "num_generations"])
     assert refusal is None and "[resume] --num_generations 16 -> 8: accepted from here on" in said
-    said, refusal = checkpoint.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # issue 32, item 4: said
+    said, refusal = flags.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # issue 32, item 4: said
     assert refusal is None and said == ["[resume] checkpoint-4 was saved by 2 ranks and this launch has 1: its ZeRO-3 "
                                         "state loads through DeepSpeed's universal checkpoint, and the data position "
                                         "and random streams are carried over (docs/resilience.md, another number of "
