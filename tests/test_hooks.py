@@ -294,7 +294,8 @@ def test_temperature_end_reaches_vllm_and_the_trainer(parts, tmp_path):
 # ----------------------------------------------------------------------------- the changes together, resumed
 @pytest.mark.launch
 def test_the_paper_changes_run_and_resume_exactly(tmp_path):
-    """Two ranks with --ref_ema, --sft_coef, --temperature_end and pass@k advantages: three steps, a checkpoint each
+    """Two ranks with --ref_ema, --sft_coef, --temperature_end and pass@k advantages, the shipped ZeRO-3 persistence
+    threshold: three steps, a checkpoint each
     (the moving reference's parts in it); the folder copied without its last checkpoint and relaunched resumes from
     step 2 (the reference's own state loaded) and logs step 3 bitwise as the uninterrupted run did."""
     import shutil
@@ -304,7 +305,10 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
     from conftest import FAST, launch
     flags = [*FAST, "--ref_ema", "0.9", "--sft_coef", "0.1", "--temperature_end", "0.7", "--advantage_estimator",
              "pass_at_k", "--pass_at_k", "2", "--max_steps", "3", "--save_steps", "1", "--val_freq", "0",
-             "--no-save_final_model"]
+             "--no-save_final_model",
+             # ds_zero3.json's own persistence threshold (conftest's launches partition every parameter): the tiny
+             # model's parameters are then all kept whole, the case model.update_params exists for
+             "--ds_set", "zero_optimization.stage3_param_persistence_threshold=100000"]
     whole, log = launch(tmp_path / "whole", *flags)
     assert sorted(f for f in os.listdir(tmp_path / "whole" / "checkpoint-2") if f.startswith("reference")) == \
         ["reference0.pt", "reference1.pt"]
