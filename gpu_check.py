@@ -769,10 +769,11 @@ def video_with_vllm(box):
 # already queued, the case that crashed the second step (issue 42; rollout.engine_kwargs turns it off). A completion
 # ended by its length leaves none (vLLM's scheduler knows max_tokens ahead), as with the 16 tokens these runs had.
 # The random-init tiny models draw a stop token at 0.3-2% a token; at 8,192 tokens the chance that any of a step's
-# completions (512) runs to the end is below 1e-4 (tests/test_moe.py measures it on CPU).
+# completions (512) runs to the end is below 1e-4 (tests/test_moe.py measures it on CPU). Micro-batches of 4: the
+# plan takes every completion at that length, and 32 of them without checkpointing need 155 GB of activations.
 REPLAY_MAX_TOKENS = 8192
 ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_arch", arch, "--max_completion_length",
-                                                              str(REPLAY_MAX_TOKENS),
+                                                              str(REPLAY_MAX_TOKENS), "--per_device_train_batch_size", "4",
                                                               *(["--routing_replay"] if on else []), *SHORT]
                        for arch in ("qwen3_vl_moe", "qwen3_5_moe") for on in (False, True)}
 
