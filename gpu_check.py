@@ -28,6 +28,7 @@ On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`m
 .venv, the CPU stack of `make test`, when it exists) it names the interpreter and exits 2.
 """
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -456,6 +457,21 @@ def cuda_peak(fn):
     return out, torch.cuda.max_memory_allocated() - start
 
 
+@contextlib.contextmanager
+def plain_linear():
+    """torch's own F.linear while the update is measured. A ZeRO-3 model built earlier in this process (gpu-check's other
+    items; zero.Init under an HfDeepSpeedConfig) left DeepSpeed's zero3_linear_wrap in its place ("This will persist
+    unless manually reset", deepspeed/runtime/zero/partition_parameters.py, _enable_mem_efficient_linear). Its weight
+    gradient is no transposed view, so lm_head's gradients of the log-prob chunks then add up in place: one V x h
+    less than a plain module holds (planner.update_bytes counts the plain module's three at the first sum)."""
+    saved = torch.nn.functional.linear
+    torch.nn.functional.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = saved
+
+
 def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, peak=cuda_peak, fits=None):
     """The trainer's update at `config`'s shape on one device, a plain module (no ZeRO-3, no optimizer step): random
     weights, sdpa, for each (layout, checkpointing) of `cases` train.micro_batches' layout of `groups` and, per
@@ -514,15 +530,16 @@ def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, 
             adv = torch.linspace(-1, 1, cmask.shape[0], device=device)
             loss, _ = grpo.grpo_loss(ts.logps, ts.logps.detach(), adv, cmask)
             loss.backward()
-        step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))   # warm-up; the gradients exist from here on
-        peaks = []
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for b in batches:
-            peaks.append(peak(lambda: step(b))[1])
-        sync()
-        seconds = time.perf_counter() - t0
+        with plain_linear():   # a plain module's update, whatever ZeRO-3 engine this process built before
+            step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))   # warm-up; the gradients exist then
+            peaks = []
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for b in batches:
+                peaks.append(peak(lambda: step(b))[1])
+            sync()
+            seconds = time.perf_counter() - t0
         k = max(range(len(batches)), key=peaks.__getitem__)
         tokens = sum(b["inputs"]["input_ids"].numel() for b in batches)
         name_of = torch.cuda.get_device_name(0) if device == "cuda" else ""

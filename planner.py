@@ -305,7 +305,9 @@ def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, 
         the log-prob chunks: autograd sums lm_head's weight gradient (V x h) over the chunks (and a tied embedding)
           in one buffer; the first sum is out of place (each chunk's gradient arrives as a transposed view, which
           InputBuffer cannot add into: three V x h at once), the later ones in place (two), beside one chunk's
-          `chunk_bytes` an entry (CHUNK_GRAD_BYTES; a single chunk: those, then its gradient beside the first V x h);
+          `chunk_bytes` an entry (CHUNK_GRAD_BYTES; a single chunk: those, then its gradient beside the first V x h).
+          That is torch's own linear, the H200's plain module; under ZeRO-3 DeepSpeed's linear takes its place
+          (zero3_linear_wrap) and its contiguous gradient adds in place: the plan holds one V x h to spare there;
         a decoder layer: its recompute (checkpointing), two (tokens, I) gradients of its MLP at once, or a weight's
           gradient and one (the largest parameter: a mixture-of-experts layer's fused experts), and, where lm_head
           is tied to the embedding, the V x h gradient buffer waiting for the embedding's backward;
