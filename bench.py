@@ -18,6 +18,9 @@ these ratios, and writes them with details to runs/bench/bench.json:
                      (bench_vlm_tokens, counted with train.micro_batches' own code), and the update +
                      log-prob time and activation peak of the same shape at a quarter size on the small
                      tiny model (bench_vlm_update): step-wide padding, TRL's, sorted, --shared_prefix.
+  vision_attention_calls_per_layer  the vision tower's sdpa calls per layer with model.vision_attention (1) against
+                     transformers' loop (one per window or image), its time, and the counts at Qwen2.5-VL-7B's tower
+                     for 8 and 64 images (bench_vision_attention).
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
 Memory in-process: host RSS sampled every ~1 ms by a thread (blind to small blocks malloc reuses) and
 live torch tensor bytes from the profiler's allocator events (exact, tensors only); the log-prob cases
@@ -435,6 +438,69 @@ def bench_vlm_update(out, prompts=4, reps=3):
         print(f"  {name:<13} {med[name]:7.2f} s  {tokens[name]:>7} tokens  peak activations {peak[name] / MB:7.1f} MB")
 
 
+def bench_vision_attention(out, reps=3):
+    """The vision tower's attention calls per layer, and time: transformers' sdpa path (one call per window of
+    Qwen2.5-VL's windowed blocks, one per image of its full-attention blocks) against model.vision_attention (one
+    block-diagonal call per layer), the small tiny Qwen2.5-VL's tower (4 blocks of 128, windows of 4 x 4 merged tokens,
+    the last block full) on 2 images of a 7B's token counts (1,036 and 1,296 merged tokens, issue 42's), forward +
+    backward, medians of `reps` interleaved pairs after a warm-up. Then the same counts at Qwen2.5-VL-7B's tower (32
+    blocks, 4 of them full) for 8 and 64 such images, from transformers' own window index (no model), and the bytes a
+    dense (T, T) block-diagonal mask would take there, against the padded layout's (S, L) key mask."""
+    from torch.overrides import TorchFunctionMode
+    from transformers.vision_utils import get_vision_window_index
+
+    import model as model_py
+    import tiny
+    import train
+
+    class Calls(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.nn.functional.scaled_dot_product_attention
+            return func(*args, **(kwargs or {}))
+    sizes = [(28, 37), (36, 36), (32, 40), (30, 36), (34, 34), (29, 40), (36, 31), (33, 38)]   # merged tokens: h x w
+    model_dir, _, _ = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")
+    visual = model_py.load_model(model_dir, train.parse_args([]), torch.float32).model.visual
+    cfg, grids = visual.config, torch.tensor([[1, 2 * h, 2 * w] for h, w in sizes[:2]])
+    patches = torch.randn(int(grids.prod(-1).sum()), cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2)
+    attentions = [m for m in visual.modules() if type(m).__name__.endswith("VisionAttention")]
+    calls = {}
+
+    def run(path):
+        for m in attentions:   # vision_attention, or transformers' own forward (the instance's deleted)
+            if path == "one_call":
+                m.forward = model_py.vision_attention.__get__(m)
+            elif "forward" in vars(m):
+                del m.forward
+        with Calls() as c:
+            visual(patches, grid_thw=grids).pooler_output.square().sum().backward()
+        visual.zero_grad(set_to_none=True)
+        calls[path] = c.n
+    run("one_call"), run("loop")   # warm-up
+    t_one, t_loop, paired, cpu = interleaved(lambda _: run("one_call"), lambda _: run("loop"), reps)
+    depth, full = cfg.depth, len(cfg.fullatt_block_indexes)
+    windows = len(get_vision_window_index(grids, cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)[1]) - 1
+    out.update(vision_attention_calls_per_layer=calls["one_call"] / depth,
+               vision_attention_loop_calls_per_layer={"windowed": windows, "full": len(grids)},
+               vision_attention_loop_calls=calls["loop"], vision_attention_time_ratio=t_one / t_loop,
+               vision_attention_time_ratio_cpu=cpu, vision_attention_seconds={"one_call": t_one, "loop": t_loop})
+    print(f"\nVision tower attention, small tiny Qwen2.5-VL ({depth} blocks, {full} full), 2 images of "
+          f"{patches.shape[0]} patches, forward + backward (median of {reps}):\n  one call per layer: "
+          f"{calls['one_call'] / depth:g} calls a layer, {t_one:.2f} s; transformers' loop: {windows} calls a windowed "
+          f"layer, {len(grids)} a full one, {t_loop:.2f} s (ratio {t_one / t_loop:.2f}, CPU time {cpu:.2f})")
+    for n in (8, 64):   # Qwen2.5-VL-7B's tower: 32 blocks, full at 7, 15, 23, 31; windows of 112 px, 14 px patches
+        g = torch.tensor([[1, 2 * h, 2 * w] for h, w in (sizes * 8)[:n]])
+        win = len(get_vision_window_index(g, 2, 112, 14)[1]) - 1
+        T = int(g.prod(-1).sum())
+        padded = max(win * 64, n * int(g.prod(-1).max()))   # (S, L) booleans: windows of 64 patches, or the images
+        out[f"vision_attention_7b_{n}_images"] = dict(loop_calls=28 * win + 4 * n, one_call_calls=32, patches=T,
+                                                      dense_mask_bytes=T * T, padded_mask_bytes=padded)
+        print(f"  Qwen2.5-VL-7B's tower, {n} images ({T} patches): the loop {28 * win + 4 * n} sdpa calls a forward "
+              f"({win} a windowed layer, {n} a full one), one call per layer 32; a dense (T, T) mask {T * T / 2 ** 30:.1f} "
+              f"GB a layer, the padded layout's key mask {padded / 2 ** 10:.0f} KB")
+
+
 def main():
     rows, out = [], {}
     bench_logprobs(rows, out)  # first: before vLLM pins this process's threads and NUMA memory
@@ -444,6 +510,7 @@ def main():
     bench_multiturn(rows, out)
     bench_vlm_tokens(out)
     bench_vlm_update(out)
+    bench_vision_attention(out)
     out["phases"] = {name: {"median_s": t, "peak_extra_rss_mb": r, "peak_extra_tensor_mb": x} for name, t, r, x in rows}
     out.update(targets=TARGETS, config=dict(prompts=PROMPTS, generations=G, max_tokens=MAX_TOKENS, reps=REPS,
                                             logprob_tokens=T, logprob_hidden=H, vocab=V))

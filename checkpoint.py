@@ -12,19 +12,24 @@ The job's own lifetime (the output folder's owner, signals, what a killed launch
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import subprocess
 import sys
 import time
+import zipfile
 import zlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 
 import data
+import flags
 import job
 import model
 import planner
@@ -135,6 +140,9 @@ def resume(engine, stream, args, rank, ckpt, reference=None):
     with open(os.path.join(ckpt, STATE)) as f:
         state = json.load(f)
     saved, world = state.get("world") or saved_ranks(ckpt), _share()[1]
+    # DeepSpeed loads zero/ through its checkpoint engine's torch.load(weights_only=False) (torch_checkpoint_engine.py
+    # :37); this engine's go through safe_load instead (pick_checkpoint checked every file the same way before)
+    engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(path, map_location)
     if saved == world:
         engine.load_checkpoint(ckpt, tag="zero", load_module_strict=not has_frozen(engine))   # frozen ones: left out
     else:
@@ -208,10 +216,50 @@ def load_reference(ref_engine, masters, ckpt, rank, world, saved):
 
 def rank_state(ckpt, rank):
     """rank<r>.pt of `ckpt`: that rank's RNG states and data position. weights_only: the file can build
-    tensors, plain containers and the numpy types of the RNG state, and run no other code. DeepSpeed's own
-    loads of zero/ still unpickle anything (docs/resilience.md)."""
-    with torch.serialization.safe_globals(RNG_STATE_TYPES):
-        return torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=True)
+    tensors, plain containers and the numpy types of the RNG state (SAFE_TYPES), and run no other code."""
+    return safe_load(os.path.join(ckpt, f"rank{rank}.pt"))
+
+
+def safe_load(path, map_location=None, mmap=False):
+    """torch.load(weights_only=True) of a checkpoint's file, which can build tensors, plain containers and
+    SAFE_TYPES, and run no other code; a file that would is refused naming it (SystemExit), never with torch's
+    advice to load it with weights_only=False, which would run that code."""
+    try:
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        sys.exit(untrusted(path, e))
+
+
+def untrusted(path, error):
+    """What to say of a checkpoint's file that weights_only loading refused (torch's UnpicklingError)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))   # torch 2.13: "unsupported GLOBAL posix.system whose module..."
+    what = f"a call of {found.group(1)}" if found else \
+        next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), "an object of another kind")[:200]
+    return (f"error: {path} would build more than tensors and plain data when it is loaded ({what}): loading it could "
+            f"run code. It is not a file this code writes. Resume only checkpoints that this run or someone you trust "
+            f"wrote; do not turn this check off (torch's advice to load it with weights_only=False would run that "
+            f"code). Start a new run in another --output_dir, or move this checkpoint away to resume from an earlier "
+            f"one")
+
+
+def unsafe_files(ckpt):
+    """Before a resume, on every rank (a collective: each reads every world-th file): each .pt file of `ckpt`
+    (DeepSpeed's zero/ shards and optimizer states, rank<r>.pt, a universal/ folder) unpickled with weights_only,
+    its tensors memory-mapped, not read. -> [what untrusted() says of each file that would build anything else].
+    DeepSpeed unpickles them with weights_only=False (torch_checkpoint_engine.py:37, stage3.py:3660 and 3770,
+    ds_to_universal.py), so a file of someone else's could run code at a resume: the check comes before any load."""
+    rank, world = _share()
+    names = _from_rank0(sorted(os.path.join(d, f) for d, _, fs in os.walk(ckpt) for f in fs if f.endswith(".pt"))
+                        if rank == 0 else None)
+    found = []
+    for path in names[rank::world]:
+        try:
+            with torch.serialization.safe_globals(SAFE_TYPES):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        except pickle.UnpicklingError as e:
+            found.append(untrusted(path, e))
+    return [line for part in _from_everyone(found) for line in part]
 
 
 def rng_of_rank(saved, rank):
@@ -299,6 +347,10 @@ def tail_of(path, n=3000):
 
 # what np.random.get_state() pickles as (numpy 2): its MT19937 key is a uint32 array
 RNG_STATE_TYPES = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
+# What a checkpoint's files may build beside tensors and plain containers when they are loaded (safe_load): the RNG
+# state's numpy types (rank<r>.pt), and the ZeRO stage and loss scaler in DeepSpeed 0.19.8's optimizer states
+# (zero/*_optim_states.pt, universal/zero/optimizer_state.pt: torch.serialization.get_unsafe_globals_in_checkpoint)
+SAFE_TYPES = [*RNG_STATE_TYPES, ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
 def has_frozen(engine):
@@ -431,6 +483,7 @@ def pick_checkpoint(args, rank, world):
             chosen = path
             break
         damaged.append((path, wrong))
+    unsafe = unsafe_files(chosen) if chosen else []   # a collective, before anything loads a file of it
     said, refusal = [], None
     if rank == 0:
         # a .tmp that --resume auto finds is an unfinished save, removed by set_aside; a damaged checkpoint is broken
@@ -445,12 +498,15 @@ def pick_checkpoint(args, rank, world):
                          f"checked in {time.perf_counter() - t:.2f} s)" if files is not None else
                          ": saved before checkpoints had a manifest, its files are not checked"))
             saved_world = state.get("world") or saved_ranks(chosen)
-            lines, refusal = changed_flags(state["args"], vars(args), saved_world, world, args.accept_changed_flags,
-                                           os.path.basename(chosen))
+            lines, refusal = flags.changed_flags(state["args"], vars(args), saved_world, world,
+                                                 args.accept_changed_flags, os.path.basename(chosen),
+                                                 planner.AUTO if args.memory == "auto" else ())
             said += lines
             if not refusal:
                 lines, refusal = changed_data(state.get("data"), args, os.path.basename(chosen))
                 said += lines
+            if unsafe:
+                refusal = "\n".join(unsafe)
         elif broken:
             refusal = (f"error: no whole checkpoint to resume from in {args.output_dir}: " +
                        "; ".join(f"{os.path.basename(p)}: {w[0]}" for p, w in broken) +
@@ -578,67 +634,6 @@ def disk_full(error, output_dir, last):
         return shutil.disk_usage(output_dir).free < max(checkpoint_bytes(last) if last else 0, 256 << 20)
     except OSError:
         return False
-
-
-# ----------------------------------------------------------------------------- a relaunch's flags
-# A relaunch that changes one of these flags is refused by name: it would go on from another run's weights,
-# data position or objective as if they were its own. Every other flag only steers the rest of the run
-# (learning rate and schedule, steps, saving, validation, logging, the memory levers): applied, and said.
-CHANGES_THE_STATE = {
-    **dict.fromkeys(("model", "tiny_arch", "tiny_size", "bf16", "optimizer", "use_peft", "lora_r", "lora_alpha",
-                     "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"),
-                    "the model and its optimizer state"),
-    **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
-                     "max_prompt_length", "limit_images", "min_pixels", "max_pixels"),
-                    "the data and the position in it"),
-    **dict.fromkeys(("num_generations", "rollout_batch_size"), "the group size and the batch"),
-    **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef", "loss_agg",
-                     "advantage_estimator", "scale_rewards", "importance_sampling_level",
-                     "vllm_importance_sampling_correction", "vllm_importance_sampling_cap", "dynamic_sampling",
-                     "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature", "top_p", "top_k",
-                     "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k", "ref_ema",
-                     "sft_coef"), "the loss, the rewards and the sampling"),
-}
-# set-up decides these after the comparison, when no launch gave them: compared only where one did
-DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
-                    "offload_model", "limit_images", "limit_videos"}   # the limits: from the data (data.data_limits)
-NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data",
-                "check_data"}
-
-
-def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint"):
-    """This launch's flags (`now`, vars(args)) against those its checkpoint was saved with (`saved`,
-    trainer_state.json's "args"). -> (lines that say each change, the refusal or None). A change in
-    CHANGES_THE_STATE is refused unless `accept` names it (--accept_changed_flags). Another number of ranks
-    is said: resume loads the state through DeepSpeed's universal checkpoint (to_universal)."""
-    given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
-    later = set(DECIDED_AT_SETUP)
-    if now.get("memory") == "auto":   # the planner picks its levers after this comparison
-        later |= set(planner.AUTO)
-    said, refused = [], []
-    for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
-        old, new = saved[flag], now[flag]
-        if old == new or (flag in later and flag not in given):
-            continue
-        line = f"--{flag} {_shown(old)} -> {_shown(new)}"
-        if flag in CHANGES_THE_STATE and flag not in (accept or ()):
-            refused.append(f"  {line}: {CHANGES_THE_STATE[flag]}")
-        else:
-            said.append(f"[resume] {line}: {'accepted' if flag in CHANGES_THE_STATE else 'applied'} from here on")
-    if saved_world != world:
-        said.append(f"[resume] {name} was saved by {saved_world} ranks and this launch has {world}: its ZeRO-3 state "
-                    f"loads through DeepSpeed's universal checkpoint, and the data position and random streams are "
-                    f"carried over (docs/resilience.md, another number of GPUs)")
-    if not refused:
-        return said, None
-    names = " ".join(line.split()[0][2:] for line in refused)
-    return said, (f"error: this launch changes what the state in {name} means:\n" + "\n".join(refused) +
-                  "\nA resume would go on from it as if it were this run's. For a new run choose another "
-                  f"--output_dir; to go on from this state anyway, name the changes: --accept_changed_flags {names}")
-
-
-def _shown(value):
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def export_model(engine, processor, out_dir, master, merged=False):

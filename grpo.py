@@ -165,24 +165,72 @@ def _log_kept(logits, lse, top_k, top_p):
     return torch.logsumexp(logits, dim=-1) - lse                   # (n,)
 
 
-def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept):
-    logits = lm_head(hidden).float() / sampling.temperature        # (n, V) float32, one chunk only
-    if sampling.banned:                                            # the sampler's logit_bias -inf: never drawn
-        logits = logits.index_fill(-1, torch.tensor(sampling.banned, device=logits.device), float("-inf"))
-    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (n,)
-    lse = torch.logsumexp(logits, dim=-1)                          # (n,)
-    entropy = log_kept = None
-    if with_entropy:   # H = lse - sum p * logit over the allowed ids (p = 0 where the logit is -inf)
-        p = (logits - lse.unsqueeze(-1)).exp()                     # (n, V)
-        entropy = lse - (p * logits.masked_fill(logits.isinf(), 0.0)).sum(dim=-1)   # (n,); no 0 x inf in backward
-    if with_kept and sampling.truncated:
-        with torch.no_grad():
-            log_kept = _log_kept(logits, lse, sampling.top_k, sampling.top_p)          # (n,)
-    return picked - lse, log_kept, entropy
+def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
+    return _VocabStats.apply(lm_head(hidden), token_ids, sampling, with_entropy, with_kept, entropy_grad)   # (n,) each
+
+
+class _VocabStats(torch.autograd.Function):
+    """One chunk's logits (n, V), as lm_head returns them, -> the log-prob of each token_ids (n,), the log of the mass
+    top-k / top-p keep (with_kept, no grad) and the entropy (with_entropy), each (n,), of the sampled distribution:
+    float32 logits / temperature, banned ids at probability 0. A torch.autograd.Function for its backward, which
+    writes the gradient of both outputs into one (n, V) buffer from the saved log-softmax: autograd's own backward of
+    the same math (a logsumexp, a gather, the division, the fill, the entropy's products) made five or more. On CPU
+    each fresh (n, V) float32 buffer also costs its page faults: bench.py's chunked forward + backward took 2.6x the
+    naive one, of which most was these buffers (docs/verification.md, issue 42). Inside token_logps' checkpoint the
+    saved log-softmax is recomputed in backward, so the chunk's memory stays one or two (n, V) buffers."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
+        # The float32 logits, scaled and filled in place: the logits themselves when they are float32 (only this
+        # function reads lm_head's output; a saved use would fail autograd's version check, not compute wrong).
+        x = logits.float()                                             # (n, V)
+        if sampling.temperature != 1.0:
+            x.div_(sampling.temperature)
+        banned = torch.tensor(sampling.banned, dtype=torch.long, device=x.device)
+        if sampling.banned:   # the sampler's logit_bias -inf, as the lowest float: exp() is 0 all the same, and the
+            x.index_fill_(-1, banned, torch.finfo(x.dtype).min)   # entropy's 0 x log 0 stays 0, not NaN
+        logp = torch.log_softmax(x, dim=-1)                            # (n, V)
+        idx = token_ids.unsqueeze(-1)                                  # (n, 1)
+        picked = logp.gather(-1, idx).squeeze(-1)                      # (n,)
+        if sampling.banned:
+            picked = picked.masked_fill(torch.isin(token_ids, banned), float("-inf"))
+        entropy = log_kept = None
+        if with_entropy:   # -sum p log p, each row's dot product (n, 1, V) @ (n, V, 1): no (n, V) product
+            entropy = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)   # (n,)
+        if with_kept and sampling.truncated:   # each row's log-normaliser from its largest logit, never a banned one
+            log_kept = _log_kept(x, x.amax(-1) - logp.amax(-1), sampling.top_k, sampling.top_p)
+        ctx.save_for_backward(logp, token_ids, banned, entropy if with_entropy else None)
+        ctx.temperature, ctx.dtype = sampling.temperature, logits.dtype
+        # a logged entropy (entropy_grad False: not in the loss) carries no gradient, so no graph holds it (token_logps)
+        ctx.mark_non_differentiable(*(t for t in (log_kept, None if entropy_grad else entropy) if t is not None))
+        ctx.set_materialize_grads(False)
+        return picked, log_kept, entropy
+
+    @staticmethod
+    def backward(ctx, d_picked, d_kept, d_entropy):
+        # d log p_t / dx_j = [j = t] - p_j and d H / dx_j = -p_j (log p_j + H): the gradient is -p_j (d_picked +
+        # d_H (log p_j + H)) plus d_picked at j = t, built in the saved log-softmax's buffer (saved for this alone)
+        # and, with the entropy, one more.
+        logp, token_ids, banned, entropy = ctx.saved_tensors
+        if d_picked is None and d_entropy is None:
+            return None, None, None, None, None, None
+        if d_entropy is None:
+            g = logp.exp_().mul_(-d_picked.unsqueeze(-1))              # (n, V)
+        else:
+            g = logp.exp()                                             # (n, V) p
+            w = logp.add_(entropy.unsqueeze(-1)).mul_(d_entropy.unsqueeze(-1))          # d_H (log p + H)
+            g.mul_(w if d_picked is None else w.add_(d_picked.unsqueeze(-1))).neg_()
+        if d_picked is not None:
+            g.scatter_add_(-1, token_ids.unsqueeze(-1), d_picked.unsqueeze(-1))
+        if banned.numel():   # the fill's gradient: nothing reaches a banned logit (and a lowest-float product is gone)
+            g.index_fill_(-1, banned, 0.0)
+        if ctx.temperature != 1.0:
+            g.div_(ctx.temperature)
+        return g.to(ctx.dtype), None, None, None, None, None
 
 
 def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,
-                chunks=None):
+                chunks=None, entropy_grad=True):
     """Log-probs of `token_ids` under `sampling`'s distribution: softmax(lm_head(hidden) / temperature) with
     the banned ids at probability 0, as the sampler's logit_bias gives them, `chunk_tokens` rows of logits
     at a time. With `with_entropy`, the entropy of that distribution per token, from the same chunk of
@@ -194,13 +242,18 @@ def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=10
     autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
     chunk too. -> TokenStats, each (B, C) or None.
     `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
-    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches)."""
+    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches).
+    `entropy_grad` False: the entropy has no gradient (logged, not in the loss). An entropy with a gradient that
+    the loss never uses keeps its graph alive, and with it every chunk's recomputed tensors that graph saved (the
+    softmax, the masked logits and their mask: 9 B per row and vocabulary entry) until the stats are freed:
+    torch.utils.checkpoint keeps a recomputed tensor for each saved one whose holder still lives (_recomputation_hook).
+    That was 5 GB at 8 x 500 completion tokens on an H200 (issue 42)."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
     size = chunk_tokens if chunks is None else -(-B * C // chunks)
     parts = []
     for s in range(0, size * chunks if chunks else B * C, size):
-        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept)
+        args = (lm_head, flat_h[s:s + size], flat_ids[s:s + size], sampling, with_entropy, with_kept, entropy_grad)
         if torch.is_grad_enabled() and flat_h.requires_grad:
             parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:

@@ -18,10 +18,11 @@ def completion_logps(engine, batch, run, with_entropy=False, with_kept=False, sa
     """Per-token statistics of one micro-batch's completions (policy or reference engine) under `sampling` (by
     default run.sampling, the distribution vLLM samples from), from one pass over the vocabulary -> grpo.TokenStats,
     each (B, C): logps; with `with_kept` (and top-k or top-p) the log of the mass the sampler's truncation keeps;
-    with `with_entropy` the entropy."""
+    with `with_entropy` the entropy, with a gradient only where the loss takes it (--entropy_coef; a logged one with its
+    graph held 9 B per token and vocabulary entry: grpo.token_logps)."""
     return engine(**{k: v.to(run.device) for k, v in batch["inputs"].items()}, sampling=sampling or run.sampling,
                   chunks=batch["chunks"], vision_calls=batch.get("vision_calls", 1), with_entropy=with_entropy,
-                  with_kept=with_kept)
+                  with_kept=with_kept, entropy_grad=bool(run.args.entropy_coef))
 
 
 def to_rows(values, device):
@@ -57,6 +58,13 @@ def in_step(run, batches, what):
     for b, (n, calls) in zip(batches, chunks.tolist()):
         b["chunks"], b["vision_calls"] = n, calls
     return batches
+
+
+def in_loss(b):
+    """(B, C) the tokens of micro-batch b that the loss takes: its completions' tokens (completion_mask) of every
+    completion some reward scored (the records say; a completion no reward could score is out of the loss, and is
+    known only once the rewards are, after the layout: the judge's answers come late)."""
+    return b["inputs"]["completion_mask"] * torch.tensor([[float(c.scored)] for c in b["completions"]])
 
 
 def old_ref_logps(run, batches):
@@ -129,7 +137,7 @@ def update(run, batches, m, extra=()):
     lr. Every per-token mean grpo_loss reports is logged as train/<name>, token-weighted (a new one is one line in
     grpo_loss's metrics)."""
     args, engine = run.args, run.engine
-    counts = torch.tensor([sum(b["inputs"]["completion_mask"].sum().item() for b in batches),
+    counts = torch.tensor([sum(in_loss(b).sum().item() for b in batches),
                            sum(c.scored for b in batches for c in b["completions"])], dtype=torch.float64, device=run.device)
     dist.all_reduce(counts)
     n_tokens, n_seqs = counts.tolist()   # over all ranks, in the loss
@@ -169,7 +177,7 @@ def policy_loss(run, b, it, norm, m, add, loads, n_batches):
     beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
     b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
     ts = completion_logps(run.engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
-    cmask = b["inputs"]["completion_mask"].to(run.device)                             # (B, C)
+    cmask = in_loss(b).to(run.device)                                                 # (B, C)
     if it == 0:   # the sampler's weights (no optimizer step yet)
         attn = b["inputs"]["attention_mask"]
         add("update/padded_frac", 1 - attn.sum().item() / attn.numel(), attn.numel())   # of the tokens processed

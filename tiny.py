@@ -31,7 +31,7 @@ import data
 import model as model_py
 import toolbox
 
-VERSION = "v9-demos"  # bump when anything below changes, so cached copies are rebuilt
+VERSION = "v10"  # bump when anything below changes, so cached copies are rebuilt (v10: the zoom and motion tasks that learn)
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -336,11 +336,13 @@ def box_prompt(proc):
 
 
 def supervised_step(model, proc, opt, prompt, n_prompt, images, answers):
-    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). All
-    answers have the same number of tokens (box_text), so nothing is padded."""
-    enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, return_tensors="pt")
+    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). A box is 12 tokens in the
+    word-level vocabulary (box_text); the byte-level BPE of the Qwen3.5 families writes a number's digits one token
+    each, so its answers are padded on the right, and the padding masked."""
+    enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, padding=True, return_tensors="pt")
     labels = enc["input_ids"].clone()
     labels[:, :n_prompt] = -100
+    labels[enc["attention_mask"] == 0] = -100
     model(**enc, labels=labels).loss.backward()
     opt.step()
     opt.zero_grad()
@@ -371,7 +373,7 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
         boxes = [random_box(rng) for _ in picks]
         supervised_step(model, proc, opt, prompt, n_prompt, images,
                         [box_text(norm1000(b, GROUNDING_SIZE, GROUNDING_SIZE) if scaled else b) for b in boxes])
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
 # The zoom task (--tiny_task zoom, --tools crop): a square of dots at the centre of a light grey image 8 times the side
@@ -517,7 +519,7 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
          ).backward()
         opt.step()
         opt.zero_grad()
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
 # The motion task (--tiny_task motion): a black square of 2 x 2 patches (28 px, half the frame's side) slides across a

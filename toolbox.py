@@ -5,9 +5,18 @@ its TOOLS: --plugins, flags.load_plugins, docs/plugins.md). Its first parameter,
 is the prepared sample its trajectory belongs to (data.prepare: its images, the originals they came from, its
 fields), given by the rollout; the others are what the model passes, with type hints and a Google-style
 docstring, from which transformers' get_json_schema makes the schema the chat template shows (`schemas`). It
-returns text, an image (PIL), or a list of both. What goes wrong (a malformed call, an unknown tool, bad
-arguments, an exception, a call past TOOL_TIME_S) becomes a tool message that says so (`run_call`), counted,
-never a crash. The calls follow Qwen's (Hermes) format, which the Qwen chat templates teach:
+returns text, an image (PIL), or a list of both; an image takes the path of every image (data.load_image: downscaled
+to --max_pixels on the model's grid), so that what a tool returns is what the planner counts. A tool annotated to
+return text alone (`-> str`) adds no images; any other may, and --limit_images is derived to let each turn show one
+(image_limit). Whatever goes wrong becomes a tool message that says so, counted, never a crash (`run_call`), in two
+kinds: the model's mistake (BAD_CALL: a malformed call, deep nesting or huge numbers included, an unknown tool,
+arguments that do not bind or are not of their type hints' types, a ValueError the tool raises to refuse the call,
+as the crop refuses a box outside the image: tools/bad_call_frac) and the tool's own failure (TOOL_ERROR: any other
+exception, whose traceback is printed once per distinct error, a call past TOOL_TIME_S, a result that is no text
+or image: tools/tool_error_frac). A turn's calls run at once, each on a daemon thread: their time-outs overlap, and
+a call that never returns is left running without holding the process at its exit; at most STUCK_MAX of them at a
+time, past which a call is answered without running. The calls follow Qwen's (Hermes) format, which the Qwen chat
+templates teach:
 
     <tool_call>
     {"name": "crop", "arguments": {"x1": 10, "y1": 10, "x2": 40, "y2": 40}}
@@ -16,21 +25,30 @@ never a crash. The calls follow Qwen's (Hermes) format, which the Qwen chat temp
 Left out: parallel calls in one turn (the first call of a turn runs), tools that keep state between calls,
 tools that run code or reach the network.
 """
-import concurrent.futures
 import functools
 import inspect
 import json
+import math
 import os
 import re
+import threading
+import time
+import traceback
 
 import torch
+from PIL import Image
 
 import data
 import reward
 
-TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left to finish
+TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its thread is left running (a daemon)
+STUCK_MAX = 8         # calls past their time still running at once, at most: past it a call is answered unrun
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
+# An image a tool returns larger than PIL's own bound on a decoded image (its decompression-bomb error, 179 MP at 3
+# bytes a pixel: 0.5 GB, which PIL would not open from a file) is refused, not downscaled.
+MAX_TOOL_IMAGE_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
+BAD_CALL, TOOL_ERROR, IMAGE_LIMIT = "call", "tool", "limit"   # why a call failed: the model's, the tool's, the limit's
 
 
 def opened(source):
@@ -51,7 +69,7 @@ BOX_UNITS = {"none": "in pixels of the image as you see it",
              "norm1000": "from 0 to 1000 across the image as you see it"}
 
 
-def crop(sample, x1: int, y1: int, x2: int, y2: int):
+def crop(sample, x1: int, y1: int, x2: int, y2: int) -> Image.Image:
     """Zoom in: crop a region of the image and see it at a higher resolution.
 
     Args:
@@ -132,8 +150,41 @@ def processor_cache_gb(args, prompts, max_pixels):
     return prompts * args.limit_images * max_pixels * 24 / 2 ** 30 if getattr(args, "tools", None) else 0
 
 
+def image_limit(args, prompt_images=1):
+    """The images one request may hold (--limit_images when not given; vLLM's limit_mm_per_prompt and the planner
+    read it): a prompt's `prompt_images`, and with a tool that may return images (returns_images) one for each turn
+    after a call (--max_turns - 1), so that no turn's image is refused for the limit."""
+    return prompt_images + (args.max_turns - 1 if any(map(returns_images, getattr(args, "tools", None) or [])) else 0)
+
+
+def returns_images(name):
+    """Whether the tool `name` may return images: every tool but one annotated to return text alone (-> str)."""
+    return inspect.signature(TOOLS[name]).return_annotation not in (str, "str")
+
+
+def started_line(args, trajectories):
+    """What rank 0 says at start about --tools: the image limit and where it came from, the images and the host
+    memory the tools' images may take on a rank in a step (`trajectories` a rank rolls out), the time a call gets."""
+    images = args.max_turns - 1 if any(map(returns_images, args.tools)) else 0
+    given = "given" if "limit_images" in getattr(args, "explicit", ()) else \
+        f"derived: a prompt's image and one for each turn after a call, --max_turns {args.max_turns} - 1"
+    return (f"[tools] {' '.join(args.tools)}: --limit_images {args.limit_images} ({given}); vLLM and the planner "
+            f"take it. Each tool image is downscaled to --max_pixels {args.max_pixels} as the prompt's are, {images} "
+            f"at most a trajectory: at most {tool_images_gb(args, trajectories, args.max_pixels):.3g} GB of host RAM "
+            f"a step on this rank. A call is given {TOOL_TIME_S:g} s, on a thread of its own; at most {STUCK_MAX} "
+            f"calls past their time run on at once, and what such a call holds is its own")
+
+
+def tool_images_gb(args, trajectories, max_pixels):
+    """Host RAM (GB) that a step's tool images may take on a rank rolling out `trajectories`: each trajectory's
+    (--max_turns - 1) images of at most max_pixels, as PIL holds them (3 bytes a pixel) and as the processor's fp32
+    pixel values for the training forward (24: 3 channels x 2 frames of a still image); 0 without --tools."""
+    return trajectories * (args.max_turns - 1) * max_pixels * 27 / 2 ** 30 if getattr(args, "tools", None) else 0
+
+
 def parse_call(text):
-    """The first tool call of a turn's text -> (name, arguments); ValueError saying what is wrong with it."""
+    """The first tool call of a turn's text -> (name, arguments); ValueError saying what is wrong with it, whatever
+    the text (nesting deeper than Python's stack, an integer of more digits than it converts)."""
     found = CALL.search(text)
     if not found:
         raise ValueError("no <tool_call>...</tool_call> in the turn")
@@ -141,39 +192,175 @@ def parse_call(text):
         call = json.loads(found.group(1))
     except json.JSONDecodeError as e:
         raise ValueError(f"the call is not JSON ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise ValueError("the call is not JSON that can be read: nested too deep") from None
+    except ValueError:   # Python's int conversion limit (4300 digits)
+        raise ValueError("the call is not JSON that can be read: a number has too many digits") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
         raise ValueError('the call must be {"name": <tool name>, "arguments": {...}}')
     return call["name"], call.get("arguments", {})
 
 
-_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
+JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+              dict: "an object", type(None): "null"}
 
 
-def run_call(text, sample, names, time_s=TOOL_TIME_S):
-    """Run the tool call in a turn's text for `sample`, allowed tools `names` -> (result, error): result is a
-    list of text and PIL images (the tool message's content), error a short reason when the call failed (the
-    result then says it to the model)."""
+def checked_arguments(name, fn, sample, arguments):
+    """The call's arguments bound to the tool's parameters and held to their type hints (int, float, str, bool) ->
+    the arguments the tool gets (an integral number for an int: an int). A value of another type, an integer past
+    64 bits or a number that is not finite is the model's mistake: ValueError, saying which; never repr'd (it may
+    nest deeper than the stack)."""
+    try:
+        params = inspect.signature(fn).bind(sample, **arguments).signature.parameters
+    except TypeError as e:
+        raise ValueError(f"bad arguments for {name}: {e}") from None
+    out = {}
+    for key, value in arguments.items():
+        hint = params[key].annotation
+        want = {"int": int, "float": float, "str": str, "bool": bool}.get(hint, hint)   # hints written as strings
+        if want is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = {bool: isinstance(value, bool), str: isinstance(value, str),
+              int: number and isinstance(value, int) and abs(value) < 2 ** 63,
+              float: number and abs(value) < 2 ** 63 and math.isfinite(value)}.get(want, True)
+        if not ok:
+            raise ValueError(f"bad arguments for {name}: {key} must be {JSON_TYPES[want]}" +
+                             (" between -2^63 and 2^63" if number else f", not {JSON_TYPES.get(type(value), 'that')}"))
+        out[key] = value
+    return out
+
+
+def clean(text):
+    """Text a tool message may hold: cut at MAX_TEXT_CHARS, and what is no UTF-8 (a lone surrogate that JSON's
+    \\ud800 escapes make) replaced, which the tokenizer would refuse."""
+    return text[:MAX_TEXT_CHARS].encode("utf-8", "replace").decode("utf-8")
+
+
+def said(e):
+    """str(e) of an exception, which a tool's own class may fail to give."""
+    try:
+        return str(e)
+    except Exception:
+        return "(its message could not be read)"
+
+
+_lock = threading.Lock()
+_stuck = {}     # id(call) -> the tool's name, for each call past its time whose thread still runs
+_told = set()   # what was said once: each distinct tool exception's traceback, each stuck tool, the image limit
+
+
+def say_once(key, text):
+    with _lock:
+        if key in _told:
+            return
+        _told.add(key)
+    print(text, flush=True)
+
+
+def start_call(text, sample, names, time_s=None):
+    """Parse and check the tool call in a turn's text for `sample` (allowed tools `names`) and start it on a daemon
+    thread of its own -> the call, for finish_call. What the model wrote is answered at once when it cannot run
+    (BAD_CALL), and so is a call while STUCK_MAX earlier ones still run past their time (TOOL_ERROR). A daemon
+    thread is never joined at the interpreter's exit, as a ThreadPoolExecutor's workers are: a tool that never
+    returns cannot keep a run that printed [done] or exit 75 alive."""
+    time_s = TOOL_TIME_S if time_s is None else time_s
     try:
         name, arguments = parse_call(text)
         if name not in names:
-            raise ValueError(f"there is no tool {name!r}; the tools are {', '.join(names)}")
-        fn = TOOLS[name]
-        try:
-            inspect.signature(fn).bind(sample, **arguments)
-        except TypeError as e:
-            raise ValueError(f"bad arguments for {name}: {e}") from None
-        future = _pool.submit(fn, sample, **arguments)
-        try:
-            out = future.result(timeout=time_s)
-        except concurrent.futures.TimeoutError:
-            raise ValueError(f"{name} took longer than {time_s:g} s") from None
-        except Exception as e:   # the tool's own failure: the model is told, the run goes on
-            raise ValueError(f"{name} failed: {type(e).__name__}: {e}") from None
-    except ValueError as e:
-        reason = str(e)[:MAX_TEXT_CHARS]
-        return [f"Error: {reason}"], reason
+            raise ValueError(f"there is no tool {name[:40]!r}; the tools are {', '.join(names)}")
+        arguments = checked_arguments(name, TOOLS[name], sample, arguments)
+    except Exception as e:   # whatever the model wrote: its mistake, told to it and counted, never the run's end
+        return dict(answer=failure(said(e) if isinstance(e, ValueError) else f"the call could not be read "
+                                   f"({type(e).__name__})", BAD_CALL))
+    call = dict(name=name, sample=sample, time_s=time_s, out=None, error=None, done=threading.Event())
+    with _lock:
+        stuck = len(_stuck)
+    if stuck >= STUCK_MAX:
+        return dict(answer=failure(f"{name} was not run: {stuck} earlier tool calls still run past their time",
+                                   TOOL_ERROR))
+    threading.Thread(target=_run, args=(call, TOOLS[name], sample, arguments), name=f"tool-{name}", daemon=True).start()
+    return call
+
+
+def _run(call, fn, sample, arguments):
+    try:
+        call["out"] = fn(sample, **arguments)
+    except BaseException as e:   # the tool's own failure: told to the model, counted, its traceback printed once
+        call["error"] = e
+    finally:
+        with _lock:
+            _stuck.pop(id(call), None)
+            call["done"].set()
+
+
+def finish_call(call, deadline):
+    """-> (result, error, kind) of a started call (start_call) once it ends or at `deadline` (time.monotonic()):
+    result a list of text and PIL images (the tool message's content), error a short reason when the call failed
+    (the result then says it to the model) and kind why (BAD_CALL, TOOL_ERROR), else None and None."""
+    if "answer" in call:
+        return call["answer"]
+    name = call["name"]
+    if not call["done"].wait(max(0.0, deadline - time.monotonic())):
+        with _lock:
+            if not call["done"].is_set():
+                _stuck[id(call)] = name
+            stuck = len(_stuck)
+        if not call["done"].is_set():
+            say_once(("stuck", name), f"[tools] {name} took longer than {call['time_s']:g} s: answered with an error "
+                     f"(tools/tool_error_frac); its thread runs on and never holds the process at its exit. {stuck} "
+                     f"such call(s) now; past {STUCK_MAX} at once a call is answered without running")
+            return failure(f"{name} took longer than {call['time_s']:g} s", TOOL_ERROR)
+    e = call["error"]
+    if isinstance(e, ValueError):   # the tool refuses the call (the crop's box outside the image): the model's mistake
+        return failure(f"{name} failed: ValueError: {said(e)}", BAD_CALL)
+    if e is not None:
+        where = traceback.extract_tb(e.__traceback__)[-1:]
+        say_once((name, type(e).__name__, tuple((f.filename, f.lineno) for f in where)),
+                 f"[tools] {name} raised {type(e).__name__} (said once; each such call is counted in "
+                 f"tools/tool_error_frac and told to the model):\n" + "".join(traceback.format_exception(e)).rstrip())
+        return failure(f"{name} failed: {type(e).__name__}: {said(e)}", TOOL_ERROR)
+    try:
+        parts = result_parts(name, call["out"])
+        return [clean(p) if isinstance(p, str) else tool_image(p, call["sample"], name) for p in parts], None, None
+    except ValueError as e:   # what result_parts and tool_image say
+        return failure(said(e), TOOL_ERROR)
+    except Exception as e:    # an image that cannot be read or resized (a lazily opened file gone, 0 pixels wide)
+        return failure(f"{name} returned what could not be used: {type(e).__name__}: {said(e)}", TOOL_ERROR)
+
+
+def result_parts(name, out):
     parts = out if isinstance(out, list) else [out]
-    return [p[:MAX_TEXT_CHARS] if isinstance(p, str) else p for p in parts], None
+    wrong = [type(p).__name__ for p in parts if not isinstance(p, (str, Image.Image))]
+    if wrong or not parts:
+        raise ValueError(f"{name} returned {wrong[0] if wrong else 'an empty list'}: a tool returns text, a PIL image "
+                         f"or a list of them")
+    return parts
+
+
+def tool_image(image, sample, name):
+    """An image a tool returned, on the path of every image (data.load_image: orientation and mode fixed, downscaled
+    onto the model's grid within --min_pixels / --max_pixels): what vLLM, the training forward and the planner
+    (response_tokens) get. One past MAX_TOOL_IMAGE_PIXELS is refused; an upright RGB image, whose mode and
+    orientation need no fixing, is downscaled at once, without the two whole copies open_image's steps make."""
+    if image.width * image.height > MAX_TOOL_IMAGE_PIXELS:
+        raise ValueError(f"{name} returned a {image.width} x {image.height} image, more than {MAX_TOOL_IMAGE_PIXELS} "
+                         f"pixels (PIL's bound on a decoded image)")
+    if image.mode == "RGB" and image.getexif().get(0x0112, 1) == 1:   # open_image would only copy it, twice
+        return data.downscale(image, *sample["pixel_bounds"])
+    return data.load_image(image, *sample["pixel_bounds"], name=f"the image {name} returned")
+
+
+def failure(reason, kind):
+    reason = clean(reason)
+    return [f"Error: {reason}"], reason, kind
+
+
+def run_call(text, sample, names, time_s=None):
+    """Run the tool call in a turn's text for `sample`, allowed tools `names` -> (result, error, kind) (finish_call),
+    waiting at most `time_s` (TOOL_TIME_S)."""
+    call = start_call(text, sample, names, time_s)
+    return finish_call(call, time.monotonic() + (TOOL_TIME_S if time_s is None else time_s))
 
 
 def rollout(samples, n, processor, args, generate, any_live):
@@ -232,19 +419,25 @@ def answer(pending, processor, args):
     processor's, expanded), masked out of the loss. A call that repeats another trajectory's on the same sample (a
     group's trajectories often write the same one) runs once, and their messages share its images, one content id
     each: vLLM processes and encodes such an image once. One processor call for the turn's distinct messages:
-    called once per message it took a quarter of a multi-turn step (docs/verification.md). A result that would take
-    the prompt past --limit_images images keeps its text only."""
+    called once per message it took a quarter of a multi-turn step (docs/verification.md). The turn's distinct calls
+    start at once (start_call) and are waited for together, so their time-outs overlap. A result that would take
+    the prompt past --limit_images images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
+    for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
+        if (id(sample), t["turns"][-1]) not in ran:
+            ran[id(sample), t["turns"][-1]] = start_call(t["turns"][-1], sample, sample["tools"])
+    deadline = time.monotonic() + TOOL_TIME_S
+    ran = {key: finish_call(call, deadline) for key, call in ran.items()}
     for t, sample in pending:
         call = t["turns"][-1]
-        if (id(sample), call) not in ran:
-            ran[id(sample), call] = run_call(call, sample, sample["tools"])
-        parts, error = ran[id(sample), call]
+        parts, error, kind = ran[id(sample), call]
         images = [p for p in parts if not isinstance(p, str)]
         if images and len(sample["images"]) + len(t["images"]) + len(images) > args.limit_images:
-            error = f"the image limit (--limit_images {args.limit_images}) is reached"
+            error, kind = f"the image limit (--limit_images {args.limit_images}) is reached", IMAGE_LIMIT
             parts, images = [f"Error: {error}; no more images"], []
-        t["calls"].append((call, error))
+            say_once(IMAGE_LIMIT, f"[tools] a call's image was refused: its trajectory holds --limit_images "
+                     f"{args.limit_images} images already (the prompt's and the tools'); counted in tools/failure_frac")
+        t["calls"].append((call, error, kind))
         text = response(processor, parts)
         which.append(messages.setdefault((text, tuple(map(id, images))), (len(messages), text, images))[0])
     rows = list(messages.values())

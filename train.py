@@ -4,8 +4,8 @@ Every rank holds a ZeRO-3 shard of the policy and its own in-process vLLM engine
 short loop over the step's named phases; each phase is a function below that a test can call
 with small fakes (tests/test_step.py). One step, every rank:
 
-    select_prompts (hook) -> sync (+ offload) -> rollout -> score -> filter_groups (hook) -> sleep (+ reload)
-    -> micro_batches -> old_ref_logps -> advantages -> update -> log -> validate -> checkpoint
+    select_prompts (hook) -> sync (+ offload) -> rollout -> ask_judge -> filter_groups (hook) -> sleep (+ reload)
+    -> micro_batches -> old_ref_logps -> score -> advantages -> update -> log -> validate -> checkpoint
 
 Per prompt, one `Group` record (its sample) holds one `Completion` record per completion, which every
 phase reads and writes (token ids, sampler / old / reference log-probs, rewards, advantage); micro-batches
@@ -43,6 +43,7 @@ import checkpoint  # noqa: E402
 import data
 import grpo
 import job
+import judge
 import learner
 import logs
 import memory
@@ -100,6 +101,11 @@ class Group:
 
     @property
     def totals(self):
+        """Each completion's total reward; a group the step has not scored yet is said by name (score first)."""
+        if any(c.total is None for c in self.completions):
+            raise RuntimeError("this group is not scored yet: train.score(run, groups) puts the rewards on the records "
+                               "(train_step scores after the old and reference log-probs; a filter that reads rewards "
+                               "calls it first)")
         return [c.total for c in self.completions]
 
 
@@ -224,15 +230,26 @@ def reward_inputs(run, samples, comps):
     cols.update(completion_length=[c.length for c in comps], max_completion_length=[run.args.max_completion_length] * len(comps))
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True),
-                    tool_calls=[len(c.calls) for c in comps], tool_failures=[sum(e is not None for _, e in c.calls) for c in comps])
+                    tool_calls=[len(c.calls) for c in comps],
+                    tool_failures=[sum(e is not None for _, e, _ in c.calls) for c in comps])
     return cols
 
 
+def ask_judge(run, groups):
+    """--reward_funcs judge: the judge's requests for these completions go out now (judge.send), so that it answers
+    while the trainer works; score() collects its answers. A no-op without the judge."""
+    if "judge" in run.args.reward_funcs:
+        comps = [c for g in groups for c in g.completions]
+        cols = reward_inputs(run, [g.sample for g in groups for _ in g.completions], comps)
+        judge.send([c.text for c in comps], [{k: v[i] for k, v in cols.items()} for i in range(len(comps))])
+
+
 def score(run, groups):
-    """Rewards per completion, per function, with failure flags, onto each completion's record; every rank's
-    groups' rewards into run.stream.history (a collective: all ranks score together)."""
+    """Rewards per completion, per function, with failure flags, onto each completion's record (a group scored
+    already is kept as it is); every rank's groups' rewards into run.stream.history (a collective: all ranks score
+    together). The judge's scores are collected here (ask_judge sent its requests)."""
     args, spans = run.args, {}
-    pairs = [(g.sample, c) for g in groups for c in g.completions]
+    pairs = [(g.sample, c) for g in groups for c in g.completions if c.total is None]
     total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, [c.text for _, c in pairs],
                                                    reward_inputs(run, [s for s, _ in pairs], [c for _, c in pairs]),
                                                    spans)
@@ -276,9 +293,11 @@ def token_of(tokenizer, ids, end):
 
 
 def filter_groups(run, groups, step, m):
-    """The hook between scoring and advantages, while vLLM is still awake: return the groups to
-    train on. A filter (a curriculum, ...) goes here; it may generate and score more groups. Every
-    rank must return the same number of groups (checked in micro_batches).
+    """The hook after the rollout, while vLLM is still awake: return the groups to train on. A filter (a
+    curriculum, ...) goes here; it may generate and score more groups. A filter that reads rewards scores first,
+    score(run, groups) (a collective; a group is scored once, so train_step's later call keeps it); the step scores
+    after the trainer's log-prob passes otherwise, so that a judge answers while the trainer works. Every rank must
+    return the same number of groups (checked in micro_batches).
 
     --dynamic_sampling (DAPO, Yu et al. 2025): a group whose rewards are all equal has zero
     advantages, no signal; it is dropped and more prompts are rolled out, up to
@@ -289,6 +308,7 @@ def filter_groups(run, groups, step, m):
     if not run.args.dynamic_sampling:
         return groups
     t0 = time.perf_counter()
+    score(run, groups)   # the rewards it filters on (a group is scored once: train_step's score keeps it)
     spread = lambda g: len({c.total for c in g.completions if c.scored}) > 1   # noqa: E731  (an unscored one holds 0)
     keep, dropped, rounds = [g for g in groups if spread(g)], [g for g in groups if not spread(g)], 1
     while rounds < run.args.max_num_gen_batches:
@@ -301,6 +321,7 @@ def filter_groups(run, groups, step, m):
         with memory.phase("rollout", m):
             more = rollout_groups(run, samples, step, round=rounds)
         with memory.phase("reward", m):
+            ask_judge(run, more)
             score(run, more)
         keep += [g for g in more if spread(g)]
         dropped += [g for g in more if not spread(g)]
@@ -328,7 +349,7 @@ def micro_batches(run, groups):
     longer widens every micro-batch); with --shared_prefix, groups sorted by length, each group (or its
     part in a micro-batch) one row with its prompt once (data.collate_prefix). A micro-batch is a layout:
     its collated inputs and the completions it holds (batch["completions"], the records every value lives
-    on). A completion that no reward function could score stays in its place with its loss mask zeroed.
+    on). A completion that no reward function could score stays in its place (learner.in_loss leaves it out).
     Under ZeRO-3 every rank must make the same number of forward and lm_head calls (each gathers
     parameters): a rank with fewer budget micro-batches splits its largest, the count is checked here,
     before it could hang, and each micro-batch takes the most log-prob chunks any rank needs for its
@@ -366,7 +387,6 @@ def micro_batches(run, groups):
         else:
             inputs = data.collate([g.sample for g, _ in part], [c.token_ids for _, c in part], run.pad_id, banned,
                                   **extras([c for _, c in part]))
-        inputs["completion_mask"] *= torch.tensor([[float(c.scored)] for _, c in part])   # (B, C): unscored, out of the loss
         batches.append(dict(inputs=inputs, completions=[c for _, c in part]))
     return learner.in_step(run, batches, "micro-batches per step")
 
@@ -421,12 +441,21 @@ def log_step(run, step, m, groups, stats):
         ok = [c.rewards[name] for c in comps if not c.failed[name]]
         m[f"reward/{name}"] = ranks.Mean(np.mean(ok) if ok else 0.0, len(ok))
         m[f"reward/{name}_failures"] = ranks.Sum(sum(c.failed[name] for c in comps))
-    if args.tools:   # calls per trajectory, the share that failed; the most turns a trajectory took: on any rank, on
-        calls = [e for c in comps for _, e in c.calls]   # the rank that needed fewest (every rank ran turns_max)
+    if args.tools:   # calls per trajectory, the share that failed (and apart: the model's bad calls, the tools' own
+        # errors); the most turns a trajectory took: on any rank, on the rank that needed fewest (all ran turns_max)
+        calls = [(e, kind) for c in comps for _, e, kind in c.calls]
+        frac = lambda ok: ranks.Mean(np.mean([ok(e, k) for e, k in calls]) if calls else 0.0, len(calls))   # noqa: E731
         turns = max(1 + len(c.calls) for c in comps)
         m.update({"tools/calls_mean": ranks.Mean(len(calls) / len(comps), len(comps)),
-                  "tools/failure_frac": ranks.Mean(np.mean([e is not None for e in calls]) if calls else 0.0, len(calls)),
+                  "tools/failure_frac": frac(lambda e, kind: e is not None),
+                  "tools/bad_call_frac": frac(lambda e, kind: kind == toolbox.BAD_CALL),
+                  "tools/tool_error_frac": frac(lambda e, kind: kind == toolbox.TOOL_ERROR),
                   "tools/turns_max": ranks.Max(turns), "tools/turns_min": ranks.Min(turns)})
+    if "judge" in args.reward_funcs:   # its unique requests, the slowest, what the step waited, failures by reason
+        st = judge.STATS
+        m.update({"judge/requests": ranks.Sum(st.get("requests", 0)),
+                  "judge/latency_s": ranks.Max(st.get("latency_s", 0.0)), "judge/wait_s": ranks.Max(st.get("wait_s", 0.0)),
+                  **{f"judge/{k}": ranks.Sum(v) for k, v in st.items() if k.startswith("failed_")}})
     for name in {source(g) for g in groups} - {None}:   # the mean reward of each data source, over every rank's rows
         vals = [c.total for g in groups if source(g) == name for c in g.completions if c.scored]
         m[f"reward/source/{name}"] = ranks.Mean(np.mean(vals) if vals else 0.0, len(vals))
@@ -450,16 +479,17 @@ def validate(run, step, m):
                             finish_reason=o.outputs[0].finish_reason) for o in run_vllm(run, run.val_samples, [sp] * len(run.val_samples))]
     sleep(run, m)
     texts = [c.text for c in comps]
-    total, scores, _ = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
-                                              reward_inputs(run, run.val_samples, comps))
-    n = len(total)
-    m = {"val/reward": ranks.Mean(np.mean(total) if n else 0.0, n),
-         **{f"val/{k}": ranks.Mean(np.mean(scores[k]) if n else 0.0, n) for k in args.reward_funcs}}
+    total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
+                                                   reward_inputs(run, run.val_samples, comps))
+    scored = [t for i, t in enumerate(total) if not any(f[i] for f in failed.values())]   # as training: no placeholder 0
+    m = {"val/reward": ranks.Mean(np.mean(scored) if scored else 0.0, len(scored)),
+         **{f"val/{k}": ranks.Mean(np.mean(ok) if (ok := [v for v, f in zip(scores[k], failed[k]) if not f]) else 0.0,
+                                   len(ok)) for k in args.reward_funcs}}
     ranks.reduce_metrics(m, run.device)
     if run.master:
         print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
         for s, c, r in list(zip(run.val_samples, comps, total))[:args.log_completions]:
-            calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e in c.calls)   # --tools: each call and how it went
+            calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e, _ in c.calls)   # --tools: each call and how it went
             print(f"    {s['where']}:{calls} {c.text!r} -> {r:.2f}")
     logs.write_metrics(run, m, step)
     return m
@@ -491,10 +521,17 @@ def temperature_at(args, step):
     if args.temperature_end is None:
         return args.temperature
     return args.temperature + (args.temperature_end - args.temperature) * (step - 1) / max(1, args.max_steps - 1)
+def step_line(m):
+    """The step's numbers in the progress bar (rank 0): the reward (nan: no completion of the step was scored), the KL,
+    the memory; with --tools, the share of calls whose tool failed (raised, timed out) when there is one, so that a
+    broken tool is seen where the run is watched, not mistaken for a model that cannot call it."""
+    tools = f" tool_errors={m['tools/tool_error_frac']:.0%}" if m.get("tools/tool_error_frac") else ""
+    return f"reward={m.get('reward/mean', float('nan')):.3f} kl={m.get('train/kl', 0.0):.4f}{tools} {memory.summary(m)}"
 
 
 def train_step(run, step, m):
     """One step on every rank, its phases in the order they run. -> (groups, update stats)."""
+    judge.new_step()                                    # --reward_funcs judge: identical requests asked once a step
     run.sampling = dataclasses.replace(run.sampling, temperature=temperature_at(run.args, step))
     m["sampling/temperature"] = run.sampling.temperature
     with memory.phase("data", m):
@@ -502,19 +539,36 @@ def train_step(run, step, m):
     sync(run, m)                                        # vLLM gets the new weights
     with memory.phase("rollout", m):
         groups = rollout_groups(run, samples, step)     # num_generations completions per prompt
-    with memory.phase("reward", m):
-        score(run, groups)
-    groups = filter_groups(run, groups, step, m)        # the hook: dynamic sampling, curricula
+    ask_judge(run, groups)                              # --reward_funcs judge: it answers while the trainer works
+    groups = filter_groups(run, groups, step, m)        # the hook: dynamic sampling, curricula (it scores first)
     sleep(run, m)                                       # vLLM frees the GPU for training
     batches = micro_batches(run, groups)                # a layout over the completions' records
     with memory.phase("old_ref_logps", m):
         learner.old_ref_logps(run, batches)             # onto the records, before the advantages may read them
+    with memory.phase("reward", m):
+        score(run, groups)                              # every reward onto the records (the judge's collected)
     advantages(run, groups, m)
     with memory.phase("update", m):
         stats = learner.update(run, batches, m, extra=learner.sft_losses(run, groups))   # --sft_coef: another forward
         learner.reference_step(run)                     # --ref_ema: the reference follows the policy
     run.updates += 1
     return groups, stats
+
+
+def judge_gave_up(run, step, m):
+    """The message to stop with when the judge (--reward_funcs judge) gave no score in --judge_max_failed_steps steps
+    in a row, else None; from the step's reduced metrics (the same on every rank). A step in which it scored
+    anything resets the count."""
+    if "judge" not in run.args.reward_funcs:
+        return None
+    failed = sum(v for k, v in m.items() if k.startswith("judge/failed_"))
+    run.judge_silent = run.judge_silent + 1 if m.get("judge/requests", 0) and failed >= m["judge/requests"] else 0
+    if run.judge_silent < run.args.judge_max_failed_steps:
+        return None
+    reasons = ", ".join(k[len("judge/failed_"):] for k in m if k.startswith("judge/failed_"))
+    return (f"error: the judge at {run.args.judge_url} gave no score in {run.judge_silent} steps in a row ({reasons}); "
+            f"checkpoint-{step} is written. Check the server (and --judge_model, --judge_api_key_env), then relaunch: "
+            f"the run resumes")
 
 
 def main(argv=None):
@@ -537,8 +591,11 @@ def main(argv=None):
             m["time/step"] = ranks.Max(time.perf_counter() - t_step)
             log_step(run, step, m, groups, stats)
             if run.master:
-                bar.set_postfix_str(f"reward={m.get('reward/mean', float('nan')):.3f} kl={m.get('train/kl', 0.0):.4f} "
-                                    f"{memory.summary(m)}")   # no reward/mean: no completion of the step was scored
+                bar.set_postfix_str(step_line(m))
+            if why := judge_gave_up(run, step, m):   # --judge_max_failed_steps steps without one score: stop, saved
+                save(run, step)
+                finish(run, export=False)
+                sys.exit(why)
             if run.val_samples is not None and args.val_freq and (step % args.val_freq == 0 or step == args.max_steps):
                 with memory.phase("validation", carry):
                     validate(run, step, {})

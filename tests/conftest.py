@@ -27,7 +27,8 @@ LONGEST = {"test_ten_kills_then_resume_exactly": 478, "test_grounding_demo_learn
            "test_a_hang_up_checkpoints_the_step_and_exits_75": 101,
            "test_resume_exact_with_one_process_and_the_export_loads[qwen3_5]": 96, "test_two_process_run": 90,
            "test_resume_exact_with_one_process_and_the_export_loads[qwen3_vl_moe]": 90,
-           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 82}
+           "test_host_plan_within_15_percent_of_measured_rss[100m-1-0.04]": 82,
+           "test_a_run_whose_tool_never_returns_is_preempted_and_ends": 150}
 
 
 def pytest_collection_modifyitems(items):
@@ -65,6 +66,23 @@ def parts(tiny_default, world1):
                              "--beta", "0", "--report_to", "none"])
     pool = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:16]]
     return processor, args, pool[:4], pool
+
+
+def allocations(fn):
+    """fn() under torch's profiler -> (its result, the bytes of torch CPU tensors allocated at each of its allocator
+    events, counted from what was allocated before fn). CPU's allocator holds exactly the tensors a device's would:
+    the tests of the planner's terms and of what a pass keeps read them here (peak: max, kept: the last)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    return out, [total - (mem[0][1] - mem[0][2]) for _, total, _ in mem]
 
 
 _PORTS = []   # [the open lock file that holds this process's block, the block's first port, the next to try]

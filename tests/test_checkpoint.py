@@ -64,20 +64,20 @@ def test_a_relaunch_says_the_flags_it_applies_and_refuses_those_that_change_the_
     saved = vars(flags.parse_args(["--save_steps", "2"]))          # the tiny default: lr 1e-3, 16 generations
     saved["per_device_train_batch_size"] = 32                       # what set-up derived and trainer_state.json holds
     now = vars(flags.parse_args(["--save_steps", "5", "--learning_rate", "5e-4", "--max_steps", "400"]))
-    said, refusal = checkpoint.changed_flags(saved, now, 2, 2)
+    said, refusal = flags.changed_flags(saved, now, 2, 2)
     assert refusal is None and said == ["[resume] --learning_rate 0.001 -> 0.0005: applied from here on",
                                         "[resume] --max_steps 300 -> 400: applied from here on",
                                         "[resume] --save_steps 2 -> 5: applied from here on"]
     other = {**saved, "num_generations": 8, "model": "other/model"}
-    said, refusal = checkpoint.changed_flags(saved, other, 2, 2, name="checkpoint-4")
+    said, refusal = flags.changed_flags(saved, other, 2, 2, name="checkpoint-4")
     assert said == [] and refusal.startswith("error: this launch changes what the state in checkpoint-4 means:")
     assert "  --model None -> other/model: the model" in refusal
     assert "  --num_generations 16 -> 8: the group size" in refusal
     assert "choose another --output_dir" in refusal
     assert refusal.endswith("name the changes: --accept_changed_flags model num_generations")
-    said, refusal = checkpoint.changed_flags(saved, other, 2, 2, accept=["model", "num_generations"])
+    said, refusal = flags.changed_flags(saved, other, 2, 2, accept=["model", "num_generations"])
     assert refusal is None and "[resume] --num_generations 16 -> 8: accepted from here on" in said
-    said, refusal = checkpoint.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # issue 32, item 4: said
+    said, refusal = flags.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # issue 32, item 4: said
     assert refusal is None and said == ["[resume] checkpoint-4 was saved by 2 ranks and this launch has 1: its ZeRO-3 "
                                         "state loads through DeepSpeed's universal checkpoint, and the data position "
                                         "and random streams are carried over (docs/resilience.md, another number of "
@@ -258,8 +258,34 @@ def test_the_per_rank_state_loads_without_running_code(world1, tmp_path, monkeyp
     assert stream.st["history"] == {7: [0.0, 1.0]}
     torch.save({"rng": Evil(), "stream": {}}, tmp_path / "run" / "checkpoint-1" / "rank0.pt")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(SystemExit, match="rank0.pt would build more than tensors and plain data when it is loaded "
+                                         r"\(a call of posix.system\): loading it could run code") as e:
         checkpoint.resume(engine, stream, args, 0, str(tmp_path / "run" / "checkpoint-1"))
+    assert "do not turn this check off" in str(e.value) and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", ["zero/zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                  "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_deepspeeds_files_are_loaded_without_running_code(world1, tmp_path, monkeypatch, name):
+    """Issue 44: a pickle payload in DeepSpeed's zero/ files ran at a resume without a word (DeepSpeed loads them with
+    torch.load(weights_only=False)), and its manifest, rewritten by whoever changed the file, matched. Every .pt file
+    of the checkpoint is now unpickled with weights_only (its tensors memory-mapped) before anything loads it: such a
+    file is refused by name, and nothing runs; DeepSpeed's own loads of this engine go through weights_only too. A
+    checkpoint this code wrote passes (ZeroStageEnum and LossScaler are the only types beside tensors and plain data
+    in DeepSpeed 0.19.8's optimizer states)."""
+    engine, args = trained_and_saved(tmp_path / "run", [1])
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert checkpoint.pick_checkpoint(args, 0, 1) == str(ckpt)
+    state = torch.load(ckpt / name, weights_only=False)
+    torch.save({**state, "evil": Evil()}, ckpt / name)
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**saved, "files": checkpoint.manifest(str(ckpt))}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=f"error: {ckpt / name} would build more than tensors and plain data") as e:
+        checkpoint.pick_checkpoint(args, 0, 1)
+    assert "(a call of posix.system)" in str(e.value) and not (tmp_path / "pwned").exists()
+    with pytest.raises(SystemExit, match=f"error: {ckpt / name} would build"):   # past the check: DeepSpeed's own load
+        checkpoint.resume(engine, Stream(), args, 0, str(ckpt))
     assert not (tmp_path / "pwned").exists()
 
 

@@ -9,6 +9,7 @@ from PIL import Image
 
 import data
 import model as model_py
+import toolbox
 import train
 from conftest import ROOT
 
@@ -252,6 +253,32 @@ def test_an_image_path_that_climbs_out_of_the_image_root_is_refused(tmp_path, pr
         data.prepare(data.Rows(str(path), image_root=str(tmp_path / "root" / "sub"))[0], processor, args_for())
 
 
+def test_a_link_out_of_the_image_root_is_followed_and_said_and_a_videos_refusal_says_video(tmp_path, processor, capsys):
+    """Issue 44: a link inside the data folder was followed anywhere without a word. Links are trusted (a linked
+    image folder and a Hugging Face snapshot, whose files are links into its blobs/, are common layouts; a data
+    file's line cannot make one, as it can write `../`): followed, and said once per folder they lead from and to,
+    naming the link. And a video path that climbs out was refused as an "image"."""
+    outside, root = tmp_path / "elsewhere", tmp_path / "root"
+    (outside / "imgs").mkdir(parents=True)
+    root.mkdir()
+    Image.new("RGB", (56, 56), (0, 0, 255)).save(outside / "imgs" / "a.png")
+    Image.new("RGB", (56, 56), (0, 255, 0)).save(outside / "b.png")
+    (root / "images").symlink_to(outside / "imgs")
+    (root / "b.png").symlink_to(outside / "b.png")
+    path = write_task(root, [row("images/a.png"), row("images/a.png"), row("b.png"), row("ok.png")])
+    rows = data.Rows(str(path))
+    capsys.readouterr()
+    assert [data.prepare(rows[i], processor, args_for())["images"][0].getpixel((0, 0)) for i in range(4)] == \
+        [(0, 0, 255), (0, 0, 255), (0, 255, 0), (255, 0, 0)]
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data]")]
+    assert said == [f"[data] {root / 'images'} is a link to {outside / 'imgs'}, outside the image root {root}: "
+                    f"followed (links in a data folder are trusted, docs/data.md); said once for the links in {root} "
+                    f"into {outside}"]
+    path = write_task(root, [{"video": "../clip.mp4", "question": "Which way?", "solution": "left"}])
+    with pytest.raises(ValueError, match=r"data.jsonl:1: video '../clip.mp4' climbs out of the image root"):
+        data.prepare(data.Rows(str(path))[0], processor, args_for("--limit_videos", "1"))
+
+
 def test_a_validation_file_with_no_usable_sample_is_refused(tmp_path, processor):
     """Every sample of --val_data skipped: a clear error at start naming the file, the count and the first
     reasons, not a val/reward of 0.0 from no sample at all."""
@@ -429,7 +456,7 @@ def test_the_limits_follow_from_the_data_unless_the_launch_set_them():
     said = data.data_limits(args, 2, 1)
     assert (args.limit_images, args.limit_videos) == (2, 1) and "--limit_images 2" in said and "--limit_videos 1" in said
     args = args_for("--model", "M", "--tools", "crop", "--max_turns", "3")
-    data.data_limits(args, 1, 0)
+    data.data_limits(args, 1, 0, toolbox.image_limit(args, 0))
     assert (args.limit_images, args.limit_videos) == (3, 0)
     args = args_for("--model", "M", "--limit_images", "1", "--limit_videos", "0")
     assert data.data_limits(args, 2, 1) is None and (args.limit_images, args.limit_videos) == (1, 0)

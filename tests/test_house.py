@@ -8,7 +8,7 @@ from conftest import ROOT
 
 # Ground up. Inside a floor, a file may use the ones listed before it.
 FLOORS = [
-    ("the math and the plain parts", ["grpo", "ranks", "reward", "job"]),
+    ("the math and the plain parts", ["grpo", "ranks", "judge", "reward", "job"]),
     ("families and loading; samples, images and videos", ["model", "data"]),
     ("what is built on them", ["toolbox", "tiny", "flags"]),
     ("the planner, memory, the vLLM engine, checkpoints, logs", ["planner", "memory", "rollout", "checkpoint", "logs"]),

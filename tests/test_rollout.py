@@ -195,3 +195,24 @@ def test_gc_runs_while_vllm_is_awake(monkeypatch):
     events.clear()
     rollout.sleep(llm, 1, gc_collect=False)
     assert events == ["sleep1"]
+
+
+def test_a_sync_whose_prefix_cache_reset_fails_raises(llm):
+    """Issue 42, point 9: vLLM's reset_prefix_cache returns False and keeps the cache while a request holds KV blocks
+    (vllm/v1/core/block_pool.py); the sync then said nothing, and the next rollout could reuse prompt KV computed
+    with the old weights. A request left running in the real engine (its prefill done, tokens to go) makes the sync
+    raise; once it is gone the sync resets. Fails before: no error."""
+    import torch
+    from vllm import SamplingParams
+
+    import model
+    from conftest import tiny_of
+    policy = model.load_model(tiny_of()[0], train.parse_args([]), torch.float32)
+    llm.llm_engine.add_request("held", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=4))
+    llm.llm_engine.step()   # prefilled: running, holding its blocks
+    try:
+        with pytest.raises(RuntimeError, match="did not reset its prefix cache after the weight sync"):
+            rollout.sync_weights(llm, policy, bucket_mb=1024)
+    finally:
+        llm.llm_engine.abort_request(["held"])
+    rollout.sync_weights(llm, policy, bucket_mb=1024)

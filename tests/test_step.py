@@ -46,7 +46,7 @@ class FakeLLM:
         self.weights += [n for n, _ in kwargs["weights_iterator"]]
 
     def reset_prefix_cache(self):
-        pass
+        return True   # vLLM's answer when no request holds KV blocks (rollout.sync_weights raises on False)
 
 
 class FakeEngine:
@@ -265,7 +265,7 @@ def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkey
 
 def test_a_completion_no_reward_could_score_is_out_of_its_group_and_the_loss(parts, tmp_path, monkeypatch):
     """A reward that raises or gives None/NaN for a completion: that completion is counted (reward/<name>_failures),
-    left out of its group's mean and std (its advantage 0) and out of the loss (its loss mask zeroed), and a group
+    left out of its group's mean and std (its advantage 0) and out of the loss (learner.in_loss), and a group
     whose every completion failed carries nothing. Before, it scored 0, and that 0 entered its group's statistics
     as if a reward had said so."""
     run, samples = make_run(parts, tmp_path)
@@ -284,9 +284,9 @@ def test_a_completion_no_reward_could_score_is_out_of_its_group_and_the_loss(par
     want = grpo.group_advantages(torch.tensor([c.total for c in g0[:2]]), 2)[0].tolist()
     assert [c.advantage for c in g0] == pytest.approx(want + [0.0, 0.0])
     assert all(c.advantage == 0.0 for c in groups[1].completions)
-    for b in batches:
+    for b in batches:   # the layout came first; what the loss takes, from the records
         for j, c in enumerate(b["completions"]):
-            assert bool(b["inputs"]["completion_mask"][j].any()) == c.scored
+            assert bool(learner.in_loss(b)[j].any()) == c.scored
     m = {}
     train.log_step(run, 1, m, groups, {"train/kl": 0.0})
     assert m["reward/picky_failures"] == 2 + G and m["reward/picky"] == 1.0
@@ -752,6 +752,24 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()), sampling=sampling).logps
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_the_update_logs_the_entropy_without_a_graph_unless_it_trains(tiny_default, coef):
+    """learner.update asks completion_logps for the entropy to log it. At --entropy_coef 0 it is never backpropagated,
+    and with its graph alive the log-prob checkpoint kept every chunk's recomputed (rows, V) tensors (9 B an entry)
+    through the backward (issue 42: 5 GB on an H200, tests/test_grpo.py measures it): it comes without a gradient
+    then, and with one where the loss takes it."""
+    from transformers import AutoProcessor
+    model_dir, train_jsonl, _ = tiny_default
+    processor = AutoProcessor.from_pretrained(model_dir)
+    args = train.parse_args(["--entropy_coef", str(coef)])
+    sample = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args)
+    model = model_py.load_model(model_dir, args, torch.float32)
+    batch = data.collate([sample, sample], [[5, 6, 7], [8]], processor.tokenizer.pad_token_id, [])
+    run = types.SimpleNamespace(args=args, device=torch.device("cpu"), sampling=grpo.Sampling())
+    ts = learner.completion_logps(model, {"inputs": batch, "chunks": 2}, run, with_entropy=True)
+    assert ts.logps.requires_grad and ts.entropy.requires_grad == (coef > 0)
 
 
 @pytest.mark.parametrize("arch,loss", [("qwen2_5_vl", "token"), ("qwen3_vl", "token"), ("qwen2_5_vl", "sequence"),

@@ -132,12 +132,12 @@ def test_the_crop_takes_the_box_in_the_familys_convention_and_its_schema_says_wh
     seen = data.downscale(original, 56 ** 2, 56 ** 2, 28)   # 56 x 56: 8 original pixels a shown one
     s = dict(images=[seen], sources=[original], pixel_bounds=(28 ** 2, 56 ** 2, 28), norm_bbox=norm)
     box = [14, 14, 28, 28] if norm == "none" else [250, 250, 500, 500]   # the same quarter of the top-left quarter
-    parts, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}'
-                                    '</tool_call>' % tuple(box), s, ["crop"])
+    parts, error, _ = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": '
+                                       '%d}}</tool_call>' % tuple(box), s, ["crop"])
     want = data.downscale(original.crop((112, 112, 224, 224)), 28 ** 2, 56 ** 2, 28)
     assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
-    _, error = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 900, "y2": 900}}'
-                                '</tool_call>', s, ["crop"])
+    _, error, _ = toolbox.run_call('<tool_call>{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 900, "y2": 900}}'
+                                   '</tool_call>', s, ["crop"])
     assert (error is None) == (norm == "norm1000")   # 900 is past a 56-pixel image, inside the 0-1000 scale
     (schema,) = toolbox.schemas(["crop"], norm).values()
     said = schema["function"]["parameters"]["properties"]["x1"]["description"]
@@ -168,8 +168,8 @@ def test_the_zoom_task_hides_the_colour_and_a_crop_shows_it(arch):
         original = tiny.zoom_image(colour, tiny.zoom_size(arch))
         shown = data.downscale(original, *bounds)
         norm = model_py.FAMILIES[arch]["norm_bbox"]
-        parts, error = toolbox.run_call(tiny.zoom_call(shown.width, norm),
-                                        dict(images=[shown], sources=[original], pixel_bounds=bounds, norm_bbox=norm), ["crop"])
+        parts, error, _ = toolbox.run_call(tiny.zoom_call(shown.width, norm),
+                                           dict(images=[shown], sources=[original], pixel_bounds=bounds, norm_bbox=norm), ["crop"])
         assert error is None and shown.size == parts[0].size == (2 * grid, 2 * grid)
         seen.append(np.asarray(shown, dtype=float))
         crops.append(np.asarray(parts[0], dtype=float))
@@ -233,7 +233,7 @@ def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
     s, _, args = sample_of()
     seen = s["images"][0]
     assert seen.size == (56, 56) and data.open_image(s["sources"][0]).size == (tiny.ZOOM_SIZE, tiny.ZOOM_SIZE)
-    parts, error = toolbox.run_call(tiny.zoom_call(seen.width), s, ["crop"])
+    parts, error, _ = toolbox.run_call(tiny.zoom_call(seen.width), s, ["crop"])
     (crop,) = parts
     assert error is None and crop.size == (56, 56)   # 1 seen pixel: 8 original ones, upscaled to the task's 2 x 2 tokens
     want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels, args.max_pixels, 28)
@@ -285,10 +285,11 @@ def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(
 ])
 def test_a_bad_call_becomes_a_tool_message_saying_what_is_wrong(text, reason):
     """Malformed JSON, not a call object, an unknown tool, bad arguments, a box outside the image: each is a tool
-    message that says what was wrong (the model reads it in its next turn) and a counted failure, never a crash."""
+    message that says what was wrong (the model reads it in its next turn) and a counted failure of the model's
+    (BAD_CALL: the crop refuses a box outside the image with a ValueError), never a crash."""
     s, _, _ = sample_of()
-    parts, error = toolbox.run_call(text, s, ["crop"])
-    assert error.startswith(reason) and parts == [f"Error: {error}"]
+    parts, error, kind = toolbox.run_call(text, s, ["crop"])
+    assert error.startswith(reason) and parts == [f"Error: {error}"] and kind == toolbox.BAD_CALL
 
 
 def test_a_tool_that_raises_or_takes_too_long_is_answered(monkeypatch):
@@ -313,11 +314,240 @@ def test_a_tool_that_raises_or_takes_too_long_is_answered(monkeypatch):
     monkeypatch.setitem(toolbox.TOOLS, "broken", broken)
     monkeypatch.setitem(toolbox.TOOLS, "slow", slow)
     call = '<tool_call>\n{"name": "%s", "arguments": {"n": %d}}\n</tool_call>'
-    assert toolbox.run_call(call % ("broken", 3), {}, ["broken"])[1] == "broken failed: KeyError: 3"
+    assert toolbox.run_call(call % ("broken", 3), {}, ["broken"])[1:] == ("broken failed: KeyError: 3",
+                                                                          toolbox.TOOL_ERROR)
     t0 = time.perf_counter()
-    assert toolbox.run_call(call % ("slow", 5), {}, ["slow"], time_s=0.2)[1] == "slow took longer than 0.2 s"
+    assert toolbox.run_call(call % ("slow", 5), {}, ["slow"], time_s=0.2)[1:] == ("slow took longer than 0.2 s",
+                                                                                   toolbox.TOOL_ERROR)
     assert time.perf_counter() - t0 < 2
-    assert toolbox.run_call(call % ("slow", 0), {}, ["slow"]) == (["done"], None)
+    assert toolbox.run_call(call % ("slow", 0), {}, ["slow"]) == (["done"], None, None)
+
+
+def fresh_trajectory(turn):
+    return dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[turn],
+                calls=[])
+
+
+CROP = '<tool_call>\n{"name": "crop", "arguments": {"x1": %s, "y1": 0, "x2": 8, "y2": 8}}\n</tool_call>'
+HOSTILE = [   # (what the model wrote, what the tool message says)
+    ("<tool_call>" + "[" * 1000 + "</tool_call>", "the call is not JSON that can be read: nested too deep"),
+    (CROP % ("[" * 5000 + "]" * 5000), "the call is not JSON that can be read: nested too deep"),
+    (CROP % ("[" * 500 + "]" * 500), "bad arguments for crop: x1 must be an integer, not a list"),
+    (CROP % ("9" * 5000), "the call is not JSON that can be read: a number has too many digits"),
+    (CROP % ("9" * 400), "bad arguments for crop: x1 must be an integer between"),
+    (CROP % "1e999", "bad arguments for crop: x1 must be an integer between"),
+    (CROP % "NaN", "bad arguments for crop: x1 must be an integer between"),
+    (CROP % "-Infinity", "bad arguments for crop: x1 must be an integer between"),
+    (CROP % "1.5", "bad arguments for crop: x1 must be an integer between"),
+    (CROP % '"1"', "bad arguments for crop: x1 must be an integer, not a string"),
+    (CROP % "true", "bad arguments for crop: x1 must be an integer, not a boolean"),
+    (CROP % "null", "bad arguments for crop: x1 must be an integer, not null"),
+    (CROP % '{"a": [1]}', "bad arguments for crop: x1 must be an integer, not an object"),
+    ('<tool_call>{"name": "\\ud800\\u202e\\u0000crop", "arguments": {}}</tool_call>',
+     "there is no tool '\\ud800\\u202e\\x00crop'"),
+    ('<tool_call>{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 8, "y2": 8, "\\udfff": 1}}</tool_call>',
+     "bad arguments for crop: got an unexpected keyword argument '\\udfff'"),
+    ('<tool_call>{"name": "crop", "arguments": {"sample": 1, "x1": 0, "y1": 0, "x2": 8, "y2": 8}}</tool_call>',
+     "bad arguments for crop: multiple values for argument 'sample'"),
+    ('<tool_call>{"name": ["crop"], "arguments": []}</tool_call>', 'the call must be {"name"'),
+    ("<tool_call>\udcff\x00</tool_call>", "the call is not JSON (Expecting value at character 0)"),
+]
+
+
+def test_whatever_the_model_writes_ends_as_a_counted_tool_message():
+    """Issue 44: `<tool_call>` + 1,000 `[` raised RecursionError out of parse_call, and nothing above caught it: the
+    run died, and its relaunch wrote the same call (vLLM's seeds are fixed per step and prompt) and died again. Deep
+    nesting, numbers too long, too large, not finite or not integral, arguments of the wrong types, lone surrogates,
+    control characters: each is the model's mistake (BAD_CALL) told in a tool message that the tokenizer takes, and
+    the whole turn goes through toolbox.answer and the processor. An integral float for an int is taken as the int."""
+    s, processor, args = sample_of()
+    for text, reason in HOSTILE:
+        parts, error, kind = toolbox.run_call(text, s, ["crop"])
+        assert error.startswith(reason) and kind == toolbox.BAD_CALL and parts == [f"Error: {error}"], \
+            (text[:60], error)
+    assert toolbox.run_call(CROP % "0.0", s, ["crop"])[1:] == (None, None)
+    trajectories = [fresh_trajectory(text) for text, _ in HOSTILE]
+    toolbox.answer([(t, s) for t in trajectories], processor, args)
+    for t, (_, reason) in zip(trajectories, HOSTILE):
+        (call, error, kind), = t["calls"]
+        assert error.startswith(reason) and kind == toolbox.BAD_CALL and t["ids"] and not t["images"]
+
+
+def test_a_tools_own_failure_is_counted_apart_from_the_models_and_said_once(monkeypatch, capsys):
+    """Issue 43: a tool's own exception looked like a model that cannot call tools. Now a ValueError the tool raises
+    (the crop's box outside the image) is the model's mistake (BAD_CALL, tools/bad_call_frac); any other exception,
+    a result that is no text nor image, a time-out are the tool's (TOOL_ERROR, tools/tool_error_frac), and the
+    traceback of each distinct exception is printed once; the step line says the share of the tool's failures."""
+    def broken(sample, n: int):
+        """Break.
+
+        Args:
+            n: which key
+        """
+        return {}[n]
+
+    def odd(sample, n: int):
+        """Return a number.
+
+        Args:
+            n: the number
+        """
+        return n
+    monkeypatch.setitem(toolbox.TOOLS, "broken", broken)
+    monkeypatch.setitem(toolbox.TOOLS, "odd", odd)
+    call = '<tool_call>{"name": "%s", "arguments": {"n": %d}}</tool_call>'
+    assert toolbox.run_call(call % ("broken", 1), {}, ["broken"])[1:] == ("broken failed: KeyError: 1",
+                                                                          toolbox.TOOL_ERROR)
+    first = capsys.readouterr().out
+    assert "[tools] broken raised KeyError (said once" in first and "return {}[n]" in first and "Traceback" in first
+    assert toolbox.run_call(call % ("broken", 2), {}, ["broken"])[2] == toolbox.TOOL_ERROR
+    assert "broken raised" not in capsys.readouterr().out   # the same exception at the same line: said once
+    assert toolbox.run_call(call % ("odd", 3), {}, ["odd"])[1:] == (
+        "odd returned int: a tool returns text, a PIL image or a list of them", toolbox.TOOL_ERROR)
+    s, _, _ = sample_of()
+    assert toolbox.run_call(CROP % 50, s, ["crop"])[2] == toolbox.BAD_CALL and not capsys.readouterr().out
+    assert "tool_errors=50%" in train.step_line({"tools/tool_error_frac": 0.5, "reward/mean": 0.2})
+    assert "tool_errors" not in train.step_line({"tools/tool_error_frac": 0.0, "reward/mean": 0.2})
+
+
+def test_time_outs_overlap_and_stuck_calls_are_bounded(monkeypatch):
+    """Issue 44: a turn's calls ran one after another, so two calls that timed out cost two time-outs, and the pool's
+    four threads, once stuck, made every later call wait and time out. Now every distinct call of a turn starts at
+    once (two stuck calls cost one time-out), each on its own thread, and at most STUCK_MAX calls past their time
+    run on: a call beyond them is answered at once, without running, saying so."""
+    import threading
+    import time
+
+    import tool_probes
+    monkeypatch.setattr(tool_probes, "NEVER", threading.Event())
+    monkeypatch.setitem(toolbox.TOOLS, "hang", tool_probes.hang)
+    monkeypatch.setattr(toolbox, "TOOL_TIME_S", 0.5)
+    monkeypatch.setattr(toolbox, "STUCK_MAX", 3)
+    s, processor, args = sample_of()
+    s = dict(s, tools=["hang"])
+    call = '<tool_call>{"name": "hang", "arguments": {"n": %d}}</tool_call>'
+    deadline = time.time() + 10
+    while toolbox._stuck and time.time() < deadline:   # an earlier test's slow call, ending
+        time.sleep(0.01)
+    try:
+        trajectories = [fresh_trajectory(call % n) for n in (1, 2, 1)]
+        t0 = time.perf_counter()
+        toolbox.answer([(t, s) for t in trajectories], processor, args)
+        assert time.perf_counter() - t0 < 0.9   # 1.0 s and more, one time-out after the other
+        assert [t["calls"][0][1:] for t in trajectories] == [("hang took longer than 0.5 s", toolbox.TOOL_ERROR)] * 3
+        assert len(toolbox._stuck) == 2   # the third trajectory's call is the first's, run once
+        assert toolbox.run_call(call % 3, s, ["hang"], time_s=0.1)[2] == toolbox.TOOL_ERROR and len(toolbox._stuck) == 3
+        t0 = time.perf_counter()
+        assert toolbox.run_call(call % 4, s, ["hang"])[1:] == (
+            "hang was not run: 3 earlier tool calls still run past their time", toolbox.TOOL_ERROR)
+        assert time.perf_counter() - t0 < 0.1
+    finally:
+        tool_probes.NEVER.set()   # their threads end, and leave the count
+        deadline = time.time() + 5
+        while toolbox._stuck and time.time() < deadline:
+            time.sleep(0.01)
+    assert not toolbox._stuck
+
+
+def test_a_stuck_tool_does_not_hold_the_process_at_exit():
+    """Issue 44: the pool's worker that ran a call that never returns was joined at the interpreter's exit, so a run
+    printed [done] (or exit 75) and never exited. A call runs on a daemon thread now: the process exits."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path[:0] = ['.', 'tests']; import toolbox, tool_probes\n"
+            "toolbox.TOOLS['hang'] = tool_probes.hang\n"
+            "print(toolbox.run_call('<tool_call>{\"name\": \"hang\", \"arguments\": {\"n\": 1}}</tool_call>', {}, "
+            "['hang'], time_s=0.1)[1])\nprint('end', flush=True)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the process did not exit: {e.stdout}") from None
+    assert done.returncode == 0 and done.stdout.splitlines()[-2:] == ["hang took longer than 0.1 s", "end"], done
+
+
+def test_a_huge_tool_image_takes_the_one_image_path_with_the_memory_bounded():
+    """Issue 44: a tool's 10,000 x 10,000 image went to the processor and vLLM as it was (the processor's own 12.8 MP
+    cap: 16,384 image tokens where the planner counted --max_pixels' 4), and OOM-killed the rank. Every tool image is
+    now downscaled to --max_pixels as the prompt's images are (an upright RGB one at once, without open_image's
+    copies; others through data.load_image: an RGBA image on white, as a file's), and one past PIL's own bound is
+    refused. Run in a process of its own whose address space the test bounds (RLIMIT_AS: 2 GiB past its start), so
+    that a regression fails here with a MemoryError instead of taking the machine's RAM; its peak RSS grows by the
+    tool's own 0.3 GB and little more."""
+    import subprocess
+    import sys
+    model_dir = zoom("qwen2_5_vl")[0]
+    code = f"""
+import resource, sys
+sys.path[:0] = ['.', 'tests']
+import numpy as np, data, toolbox, tool_probes, train
+from PIL import Image
+from transformers import AutoProcessor
+processor = AutoProcessor.from_pretrained({model_dir!r})
+args = train.parse_args(["--tiny_task", "zoom"])
+sample = dict(images=[], sources=[], pixel_bounds=(args.min_pixels, args.max_pixels, 28), tools=["huge", "rgba"])
+toolbox.TOOLS["huge"] = tool_probes.huge
+rgba = Image.new("RGBA", (300, 200), (10, 200, 10, 128))
+toolbox.TOOLS["rgba"] = lambda sample, n: rgba
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + 2 * 2 ** 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+call = '<tool_call>{{"name": "%s", "arguments": {{"%s": %d}}}}</tool_call>'
+t = [dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[c], calls=[])
+     for c in (call % ("huge", "side", 10000), call % ("rgba", "n", 1), call % ("huge", "side", 14000))]
+toolbox.answer([(x, sample) for x in t[:2]], processor, args)
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2 ** 20
+toolbox.answer([(t[2], sample)], processor, args)
+assert [len(x["images"]) for x in t] == [1, 1, 0] and all(x["calls"][0][1] is None for x in t[:2]), t
+assert t[2]["calls"][0][1:] == ("huge returned a 14000 x 14000 image, more than 178956970 pixels (PIL's bound on a "
+                                "decoded image)", toolbox.TOOL_ERROR)
+for x in t[:2]:
+    (im,) = x["images"]
+    assert im.mode == "RGB" and im.width * im.height <= args.max_pixels
+    assert len(x["ids"]) <= toolbox.response_tokens(args.max_pixels)
+assert np.array_equal(np.asarray(t[1]["images"][0]), np.asarray(data.load_image(rgba, *sample["pixel_bounds"])))
+print(f"peak RSS grew by {{grown:.2f}} GB; tokens {{len(t[0]['ids'])}}")
+assert grown < 0.6, grown
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_a_tool_that_returns_images_gets_an_image_limit_that_shows_them(monkeypatch):
+    """Issue 43: with the default --limit_images 1 every image a crop returned was refused ("the image limit is
+    reached"), seen only in tools/failure_frac. An image-returning tool now gets a limit of a prompt's image and one
+    for each turn after a call (toolbox.image_limit, said at start), which vLLM's limit_mm_per_prompt and the planner
+    read; a text-only tool (-> str) adds none; a given --limit_images that leaves no room stops at start naming the
+    flag, one that leaves room for some is a note."""
+    import flags
+    import planner
+
+    def words(sample, n: int) -> str:
+        """Text.
+
+        Args:
+            n: how many
+        """
+        return "a" * n
+    monkeypatch.setitem(toolbox.TOOLS, "words", words)
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--tools", "crop", "--max_turns", "4",
+                             "--max_pixels", "1003520"])
+    assert args.limit_images == 4 and "limit_images" not in args.explicit
+    assert train.parse_args(["--model", "m", "--tools", "words"]).limit_images == 1
+    assert train.parse_args(["--model", "m"]).limit_images == 1
+    assert train.parse_args(["--tiny_task", "zoom"]).limit_images == 2   # 1 + (--max_turns 2 - 1)
+    with pytest.raises(SystemExit, match="--limit_images 1 leaves them no room beside a prompt's image"):
+        flags.check_args(train.parse_args(["--model", "m", "--tools", "crop", "--limit_images", "1"]), 1)
+    given = train.parse_args(["--model", "m", "--tools", "crop", "--limit_images", "2"])
+    assert "shows at most 1 of the 3 tool images it may get" in " ".join(flags.inert_flags(given))
+    model_dir = zoom("qwen2_5_vl")[0]
+    assert rollout.engine_kwargs(model_dir, args, "bfloat16", 64, 0, cuda=True)["limit_mm_per_prompt"]["image"] == 4
+    s = planner.model_shape("qwen2.5-vl-7b")
+    pl = planner.plan(args, planner.Cluster(8, 1, 80, 1024), s)
+    assert pl["image_tokens"] == 4 * data.IMAGE_TOKENS and "tool images (--tools)" in pl["phases"]["update"]["host"]
+    line = toolbox.started_line(args, 16)
+    assert "--limit_images 4 (derived: a prompt's image and one for each turn after a call, --max_turns 4 - 1)" in line
+    assert f"at most {16 * 3 * 1003520 * 27 / 2 ** 30:.3g} GB of host RAM" in line
 
 
 def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys):
@@ -408,6 +638,9 @@ def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path
                       "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
+    # issue 43: the image limit of a user's JSONL with the crop is derived and said, and no crop's image is refused
+    assert "[tools] crop: --limit_images 2 (derived: a prompt's image and one for each turn after a call" in log
+    assert "a call's image was refused" not in log
     assert all(r["tools/turns_min"] == 1 and r["tools/turns_max"] == 2 for r in train_rows), train_rows
     assert max(r["rollout/logp_diff_max"] for r in train_rows) < 1e-4 and train_rows[0]["tools/calls_mean"] > 0
 
@@ -458,12 +691,13 @@ def test_the_docs_example_plugin_adds_a_tool_and_a_reward(flag, own_tables):
     s = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools))
     shown = data.prompt(processor, [{"role": "user", "content": "q"}], list(toolbox.schemas(args.tools).values()))
     assert '"name": "quadrant"' in shown and "top_left, top_right" in shown and s["tools"] == ["crop", "quadrant"]
-    parts, error = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "top_right"}}</tool_call>',
+    parts, error, _ = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "top_right"}}</tool_call>',
                                     s, s["tools"])
     original = data.open_image(s["sources"][0])
     want = data.downscale(original.crop((224, 0, 448, 224)), *s["pixel_bounds"])
     assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
-    _, error = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "middle"}}</tool_call>', s, s["tools"])
+    _, error, _ = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "middle"}}</tool_call>', s,
+                                   s["tools"])
     assert "which must be one of" in error
     total, scores, failed = reward.compute_rewards(["tool_use"], None, ["a", "b", "c"],
                                                    {"tool_calls": [1, 2, 0], "tool_failures": [0, 1, 0]})
@@ -512,7 +746,7 @@ def test_the_docs_name_every_key_of_the_sample_and_every_column_a_reward_gets():
     assert table_keys("sample keys") == set(s)
     run = types.SimpleNamespace(args=args, processor=processor)
     comps = [train.Completion(index=0, token_ids=[1, 2], sampler_logps=[0.0, 0.0], text="red", finish_reason="stop",
-                              mask=[1, 1], calls=[("call", None)])]
+                              mask=[1, 1], calls=[("call", None, None)])]
     fields = {k for k in row if not k.startswith("_")} - {"image", "images", "video", "videos", "tools"}
     assert table_keys("reward columns") == set(train.reward_inputs(run, [s], comps)) - fields == set(data.RUN_COLUMNS)
 
@@ -568,3 +802,56 @@ TOOLS["crop"] = crop
     assert f"[plugins] {plugin}: tool 'crop' replaces the project's own" in log
     assert set(calls.read_text().split()) == {"0", "1"} and any(r["tools/calls_mean"] > 0 for r in train_rows)
     assert any(r["reward/tool_use"] > 0 for r in train_rows)   # a trajectory whose calls all worked scores 1
+@pytest.mark.launch
+def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
+    """Issue 44: a tool that never returned kept its rank alive after the run printed `[done]` or `checkpoint-2
+    written; exit 75`: the pool's worker was joined at the interpreter's exit, so tools/requeue.sh never returned 75
+    and nothing was requeued. tests/tool_probes.py is train.py with the zoom model's crop replaced by one that never
+    returns (toolbox.TOOL_TIME_S 1 s): a two-rank run behind tools/requeue.sh, SIGTERM to the script after step 1,
+    checkpoints the step and the script returns 75; the relaunch resumes, finishes, prints [done] and exits 0. Every
+    call the tool got is its failure (tools/tool_error_frac), apart from the model's malformed ones, and the stuck
+    calls are said."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import command, read_metrics, terminal_signals, wait_for_group
+    run = tmp_path / "run"
+    flags = ["--tiny_task", "zoom", "--max_steps", "3", "--val_freq", "0", "--no-save_final_model",
+             "--rollout_batch_size", "4", "--num_generations", "4"]
+
+    def cmd():
+        argv, env = command(run, flags, 2, env={"TOOL_TIME_S": "1"})
+        return [os.path.join("tests", "tool_probes.py") if a == "train.py" else a for a in argv], env
+    os.makedirs(run)
+    argv, env = cmd()
+    with open(run / "preempted.log", "w") as log:
+        p = subprocess.Popen([os.path.join(ROOT, "tools", "requeue.sh"), *argv], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
+    def trained(step):
+        rows = read_metrics(run) if (run / "metrics.jsonl").exists() else []
+        return any(r.get("step") == step and "reward/mean" in r for r in rows)
+    deadline = time.time() + 900
+    while p.poll() is None and time.time() < deadline and not trained(1):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)   # the script alone: SIGUSR1 to the ranks
+    try:
+        code = p.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        wait_for_group(p)
+        text = (run / "preempted.log").read_text()
+        raise AssertionError("the preempted run did not exit:\n" + text[-3000:]) from None
+    text = (run / "preempted.log").read_text()
+    assert code == 75 and "exit 75" in text, text[-3000:]
+    assert "[tools] crop took longer than 1 s: answered with an error" in text
+    argv, env = cmd()
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and "[done]" in text and "[resume] from" in text, text[-3000:]
+    rows = [r for r in read_metrics(run) if "tools/calls_mean" in r]
+    assert [r["step"] for r in rows][-1] == 3 and any(r["tools/calls_mean"] > 0 for r in rows)
+    # every call that parsed went to the tool and timed out: the tool's failure; the rest the model's malformed calls
+    assert all(r["tools/tool_error_frac"] > 0 for r in rows if r["tools/calls_mean"] > 0), rows
+    assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6
+               for r in rows)

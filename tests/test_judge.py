@@ -1,0 +1,148 @@
+"""The LLM judge as a reward (judge.py), against a real HTTP server on 127.0.0.1 that speaks OpenAI's chat-completions
+API (tools/judge_server.py: a stand-in grader, since no model here writes a parsable grade; `vllm serve` of the tiny
+random-init model starts in about a minute and answers with colour words). Failures are unscored, never 0; the key
+never reaches a file; a judge that dies mid-run stops the run after --judge_max_failed_steps with a checkpoint, and a
+relaunch resumes once it is back."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import judge
+import reward
+import train
+from conftest import FAST, ROOT, free_port, launch, read_metrics
+
+
+def start_server(*flags, port=None):
+    """tools/judge_server.py on a free port -> (process, base URL). Stop it with .kill()."""
+    port = port or free_port()
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "judge_server.py"), "--port", str(port), *flags],
+                         stdout=subprocess.PIPE, text=True)
+    assert "listening" in p.stdout.readline()
+    return p, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture
+def configured():
+    """judge.SETTINGS from the flags, put back afterwards."""
+    before = dict(vars(judge.SETTINGS))
+
+    def use(*flags):
+        judge.configure(train.parse_args(["--reward_funcs", "judge", *flags]))
+        judge.new_step()
+    yield use
+    judge.SETTINGS.__dict__.update(before)
+    judge.new_step()
+
+
+def test_replies_parse_into_scores_and_anything_else_fails():
+    assert judge.parse("Yes.", "yes_no") == 1.0 and judge.parse("no, it is blue", "yes_no") == 0.0
+    assert judge.parse("Score: 0.75", "number") == 0.75 and judge.parse("I give it 7/10... final: 10", "score_1_10") == 1.0
+    for reply, parser in (("maybe", "yes_no"), ("", "yes_no"), ("1.5", "number"), ("eleven", "score_1_10"),
+                          ("0", "score_1_10")):
+        with pytest.raises(ValueError):
+            judge.parse(reply, parser)
+
+
+def test_the_judge_scores_concurrently_once_per_request_and_answers_while_the_caller_works(configured, tmp_path):
+    """Eight distinct requests of a judge that takes 2 s each, 8 at a time, sent and then collected after 1.8 s of
+    other work: collecting waits less than one request takes (they ran during the work), and everything took about
+    one request's time, not eight; a repeated (prompt, completion) is asked once; the key goes out as a bearer
+    token."""
+    log = tmp_path / "requests.jsonl"
+    server, url = start_server("--delay_s", "2.0", "--log", str(log))
+    try:
+        os.environ["JUDGE_API_KEY"] = "sk-test-secret"
+        configured("--judge_url", url, "--judge_model", "stand-in-judge", "--judge_concurrency", "8")
+        answers = ["red", "blue", "green", "yellow", "<answer>red</answer>", "Red.", "reddish", "RED"]
+        cols = {"question": ["What colour?"] * 9, "solution": ["red"] * 9, "image": ["a.png"] * 9}
+        t0 = time.perf_counter()
+        judge.send(answers + ["red"], [{k: v[i] for k, v in cols.items()} for i in range(9)])
+        time.sleep(1.8)
+        t1 = time.perf_counter()
+        scores = judge.judge(answers + ["red"], **cols)
+        waited, took = time.perf_counter() - t1, time.perf_counter() - t0
+    finally:
+        os.environ.pop("JUDGE_API_KEY", None)
+        server.kill()
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    rows = [json.loads(line) for line in open(log)]
+    assert len(rows) == 8 and all(r["authorized"] for r in rows)
+    assert judge.STATS["requests"] == 8 and 2.0 <= judge.STATS["latency_s"] and waited < judge.STATS["latency_s"]
+    assert took < 2 * 2.0, took   # concurrent: one request's time, not eight
+
+
+def test_a_failed_or_unparsable_judgement_is_unscored_never_zero(configured):
+    """A reply that does not parse, a server that is gone, a 503 that outlasts the retries: each completion is a
+    failure of the judge reward (out of its group's statistics and the loss), counted by reason."""
+    server, url = start_server("--fail_every", "1")   # every request 503
+    try:
+        configured("--judge_url", url, "--judge_model", "m", "--judge_retries", "1", "--judge_template", "{completion}")
+        total, scores, failed = reward.compute_rewards(["judge"], None, ["red"], {"solution": ["red"]})
+        assert failed["judge"] == [True] and judge.STATS["failed_http_503"] == 1
+    finally:
+        server.kill()
+    server, url = start_server()
+    try:   # the stand-in cannot grade a prompt without a reference: "unsure", no yes or no
+        configured("--judge_url", url, "--judge_model", "m", "--judge_template", "{completion}")
+        assert reward.compute_rewards(["judge"], None, ["red"], {"solution": ["red"]})[2]["judge"] == [True]
+        assert judge.STATS["failed_parse"] == 1
+    finally:
+        server.kill()
+    configured("--judge_url", url, "--judge_model", "m", "--judge_retries", "0", "--judge_timeout_s", "2")
+    total, _, failed = reward.compute_rewards(["judge", "accuracy"], None, ["red"], {"solution": ["red"]})
+    assert failed == {"judge": [True], "accuracy": [False]} and judge.STATS["failed_connection"] == 1
+
+
+def test_the_judge_needs_its_endpoint():
+    with pytest.raises(SystemExit, match="--reward_funcs judge needs --judge_url"):
+        train.check_args(train.parse_args(["--reward_funcs", "judge"]), 1)
+
+
+@pytest.mark.launch
+def test_a_judge_killed_mid_run_stops_the_run_saved_and_a_relaunch_resumes(tmp_path):
+    """Two ranks on the colour task graded by the judge alone, its key in the environment. The judge is killed once
+    step 2 is logged: the steps after it count its failures (judge/failed_connection, reward/judge_failures) and
+    train on nothing from it; after --judge_max_failed_steps (2) such steps the run stops, checkpoint written,
+    naming the judge. With the judge back, the relaunch resumes from that checkpoint and finishes. The key is in no
+    file of the run and in no log line."""
+    port, out = free_port(), tmp_path / "run"
+    server, url = start_server(port=port)
+    flags = [*FAST, "--reward_funcs", "judge", "--judge_url", url, "--judge_model", "stand-in-judge", "--judge_retries",
+             "1", "--judge_timeout_s", "5", "--judge_max_failed_steps", "2", "--max_steps", "8", "--save_steps", "100",
+             "--val_freq", "0", "--no-save_final_model"]
+    from conftest import command
+    cmd, env = command(out, flags, 2, env={"JUDGE_API_KEY": "sk-never-written-0451"})
+    os.makedirs(out, exist_ok=True)
+    with open(out / "first.log", "w") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 900
+        while p.poll() is None and time.time() < deadline and not any(
+                r["step"] == 2 and "reward/mean" in r for r in (read_metrics(out) if (out / "metrics.jsonl").exists() else [])):
+            time.sleep(0.2)
+        server.kill()
+        server.wait()
+        code = p.wait(timeout=900)
+    first = open(out / "first.log").read()
+    assert code != 0 and "the judge at" in first and "gave no score in 2 steps in a row" in first, first[-3000:]
+    rows = [r for r in read_metrics(out) if "reward/mean" in r or "judge/requests" in r]
+    last = max(r["step"] for r in rows)
+    assert (out / f"checkpoint-{last}").is_dir()
+    dead = [r for r in rows if r.get("judge/failed_connection", 0) > 0]
+    assert len(dead) >= 2 and all(r["reward/judge_failures"] > 0 for r in dead)
+    server, _ = start_server(port=port)
+    try:
+        resumed, log = launch(out, *flags, env={"JUDGE_API_KEY": "sk-never-written-0451"})
+    finally:
+        server.kill()
+    assert f"checkpoint-{last}" in log and max(r["step"] for r in resumed) == 8
+    assert resumed[-1].get("reward/judge", 0) >= 0 and resumed[-1].get("judge/requests", 0) > 0
+    for d, _, files in os.walk(out):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                assert b"sk-never-written-0451" not in fh.read(), os.path.join(d, f)
+    assert "sk-never-written-0451" not in first + log
