@@ -811,14 +811,19 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     checkpoints the step and the script returns 75; the relaunch resumes, finishes, prints [done] and exits 0. Every
     call the tool got is its failure (tools/tool_error_frac), apart from the model's malformed ones, and the stuck
     calls are said."""
+    import json
     import signal
     import subprocess
     import time
 
     from conftest import command, read_metrics, terminal_signals, wait_for_group
-    run = tmp_path / "run"
-    flags = ["--tiny_task", "zoom", "--max_steps", "3", "--val_freq", "0", "--no-save_final_model",
-             "--rollout_batch_size", "4", "--num_generations", "4"]
+    run, path = tmp_path / "run", tmp_path / "told.jsonl"
+    _, train_jsonl, _ = zoom("qwen2_5_vl")   # rows told to call: every step then calls the crop that hangs
+    with open(path, "w") as f:
+        for r in data.read_jsonl(train_jsonl)[:32]:
+            f.write(json.dumps({**told(r), "image": os.path.join(os.path.dirname(train_jsonl), r["image"])}) + "\n")
+    flags = ["--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3", "--val_freq", "0",
+             "--no-save_final_model", "--rollout_batch_size", "4", "--num_generations", "4"]
 
     def cmd():
         argv, env = command(run, flags, 2, env={"TOOL_TIME_S": "1"})
@@ -850,7 +855,7 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     text = done.stdout + done.stderr
     assert done.returncode == 0 and "[done]" in text and "[resume] from" in text, text[-3000:]
     rows = [r for r in read_metrics(run) if "tools/calls_mean" in r]
-    assert [r["step"] for r in rows][-1] == 3 and any(r["tools/calls_mean"] > 0 for r in rows)
+    assert [r["step"] for r in rows][-1] == 3 and all(r["tools/calls_mean"] > 0 for r in rows), rows
     # every call that parsed went to the tool and timed out: the tool's failure; the rest the model's malformed calls
     assert all(r["tools/tool_error_frac"] > 0 for r in rows if r["tools/calls_mean"] > 0), rows
     assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6
