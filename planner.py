@@ -164,12 +164,17 @@ def lora_io(m):
     return io
 
 
+def vllm_name(name):
+    """A parameter's name in vLLM: HF's q/k/v and gate/up projections fused as vLLM loads them (qkv_proj,
+    gate_up_proj; Qwen2.5-VL's vision blocks too)."""
+    return re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
+
+
 def vllm_tensors(m):
-    """numel of each weight tensor vLLM holds, largest first: HF's q/k/v and gate/up projections fused as
-    vLLM loads them (qkv_proj, gate_up_proj; Qwen2.5-VL's vision blocks too)."""
+    """numel of each weight tensor vLLM holds, largest first, its fused tensors as one (vllm_name)."""
     fused = {}
     for name, p in m.named_parameters():
-        key = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
+        key = vllm_name(name)
         fused[key] = fused.get(key, 0) + p.numel()
     return sorted(fused.values(), reverse=True)
 
@@ -182,8 +187,7 @@ def vllm_module(m):
     for name, p in m.named_parameters(remove_duplicate=False):
         if tied and name == "lm_head.weight":
             continue
-        fused = re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
-        key = fused.rsplit(".", 1)[0]
+        key = vllm_name(name).rsplit(".", 1)[0]
         key = key.removesuffix(".gate_up_proj").removesuffix(".down_proj") if ".experts." in name else key
         own[key] = own.get(key, 0) + p.numel()
     return max(own.values())
@@ -615,8 +619,14 @@ def plan(args, cluster, s=None):
                      f"max_num_batched_tokens) and is refused; lower --video_total_pixels or --video_max_frames")
     return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
             "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "video_tokens": video, "micro_batch": mb,
-            "vllm_room": room, "vllm_weights": weights / tp, "vllm_overhead": room - (
-                args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - weights / tp)}
+            "vllm_room": room, "vllm_weights": weights / tp,
+            "vllm_need": vllm_need(args.vllm_gpu_memory_utilization, room, cluster)}
+
+
+def vllm_need(utilization, room, cluster):
+    """The --vllm_gpu_memory_utilization (rounded up to the hundredth) at which vLLM's share holds its weights and
+    1 GB of cache, from its room at `utilization` (vllm_cache: negative when the weights alone overflow)."""
+    return math.ceil((utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100
 
 
 def vllm_cache(args, cluster, s, p):
@@ -654,9 +664,9 @@ def verdict(pl, cluster):
                          f"GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
-        need = math.ceil((pl["vllm_weights"] - pl["vllm_overhead"] + GB) / (cluster.gpu_gb * GB) * 100) / 100
         lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
-                     f"GPU; --vllm_gpu_memory_utilization {need:.2f} at least (with --sleep_level 1 or 2 for the update)")
+                     f"GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 or 2 for "
+                     f"the update)")
     return fits, lines
 
 
@@ -713,7 +723,7 @@ def lever_list(args, cluster, s=None):
     if room > 0:
         L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
                   dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
-    elif (need := math.ceil((args.vllm_gpu_memory_utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100) < 1:
+    elif (need := vllm_need(args.vllm_gpu_memory_utilization, room, cluster)) < 1:
         # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: it said both)
         L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need),
                   None))
@@ -1040,11 +1050,12 @@ def main(argv):
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     print(render(pl, cluster, levers(args, cluster, s, pl)))
-    if not verdict(pl, cluster)[0] and cluster.cuda:
-        print(auto_line(args, cluster, s))
-    if verdict(pl, cluster)[0]:
+    fits = verdict(pl, cluster)[0]
+    if fits:
         print("[plan] faster, and still fits (one lever each; planner.COST's estimate per step):")
         print("\n".join(f"  {flag:<48} {-secs:+8.1f} s" for flag, secs in faster(args, cluster, s)[:8]) or "  nothing")
+    elif cluster.cuda:
+        print(auto_line(args, cluster, s))
     if known.json:
         with open(known.json, "w") as f:
             json.dump({k: v for k, v in pl.items()}, f, indent=1, default=float)
@@ -1053,7 +1064,7 @@ def main(argv):
     if known.png:
         draw(pl, cluster, known.png)
         print(f"[plan] drawn: {os.path.abspath(known.png)}")
-    return 0 if verdict(pl, cluster)[0] else 1
+    return 0 if fits else 1
 
 
 def preflight(args, cluster, allow=False):
