@@ -200,7 +200,7 @@ def load_reference(ref_engine, masters, ckpt, rank, world, saved):
         if rank == 0:
             print(f"[resume] {ckpt} holds no state of the reference model: it starts again from --model's weights")
         return
-    states = [torch.load(p, weights_only=True) for p in (paths if saved != world else [paths[rank]])]
+    states = [safe_load(p) for p in (paths if saved != world else [paths[rank]])]
     params = list(ref_engine.module.parameters())
 
     def mine(kind, i, size):   # this rank's slice of parameter i, from every saving rank's slice of it
