@@ -581,12 +581,16 @@ def prepare(row, processor, args, tools=None, norm_bbox="none"):
         if isinstance(im, dict):
             return im["bytes"] if im.get("bytes") else image_path(base, im["path"], kind)
         return image_path(base, im, kind) if isinstance(im, str) else im
-    try:
-        pil = [load_image(source(im), args.min_pixels, args.max_pixels, image_grid(processor),
-                          name=source(im) if isinstance(im, str) else f"#{k}") for k, im in enumerate(images)]
-        clips = [load_video([source(f, "video frame") for f in v] if isinstance(v, list) else source(v, "video"), args,
-                            image_grid(processor), processor.video_processor.temporal_patch_size,
-                            name=source(v, "video") if isinstance(v, str) else f"#{k}") for k, v in enumerate(videos)]
+    try:   # each path resolved once (image_path also says a link out of the root)
+        pil, clips = [], []
+        for k, im in enumerate(images):
+            src = source(im)
+            pil.append(load_image(src, args.min_pixels, args.max_pixels, image_grid(processor),
+                                  name=src if isinstance(im, str) else f"#{k}"))
+        for k, v in enumerate(videos):
+            src = [source(f, "video frame") for f in v] if isinstance(v, list) else source(v, "video")
+            clips.append(load_video(src, args, image_grid(processor), processor.video_processor.temporal_patch_size,
+                                    name=src if isinstance(v, str) else f"#{k}"))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if clips and isinstance(row.get("question"), str):   # the conversation layouts' <video> placeholder, as <image>

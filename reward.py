@@ -224,15 +224,21 @@ def spans_of(value, text):
     return out
 
 
+def weights_of(names, weights):
+    """--reward_weights for --reward_funcs `names`: 1 each when not given, else one per function."""
+    weights = weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"--reward_weights has {len(weights)} values for {len(names)} --reward_funcs")
+    return weights
+
+
 def compute_rewards(names, weights, completions, columns, spans=None):
     """-> (total (N,), per-function scores {name: [N floats]}, failed {name: [N bools]}). A function that returns
     spans scores a completion their sum; `spans` (a dict, when given) gets {name: [N lists of (start, end, score), or
     None for a plain score]} of the functions that returned any.
 
     columns: {field: list of N values}, the sample fields repeated per completion."""
-    weights = weights or [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ValueError(f"--reward_weights has {len(weights)} values for {len(names)} --reward_funcs")
+    weights = weights_of(names, weights)
     total, scores, failed = [0.0] * len(completions), {}, {}
     for name, w in zip(names, weights):
         try:

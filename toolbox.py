@@ -165,7 +165,7 @@ def returns_images(name):
 def started_line(args, trajectories):
     """What rank 0 says at start about --tools: the image limit and where it came from, the images and the host
     memory the tools' images may take on a rank in a step (`trajectories` a rank rolls out), the time a call gets."""
-    images = args.max_turns - 1 if any(map(returns_images, args.tools)) else 0
+    images = image_limit(args, 0)
     given = "given" if "limit_images" in getattr(args, "explicit", ()) else \
         f"derived: a prompt's image and one for each turn after a call, --max_turns {args.max_turns} - 1"
     return (f"[tools] {' '.join(args.tools)}: --limit_images {args.limit_images} ({given}); vLLM and the planner "

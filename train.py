@@ -269,7 +269,7 @@ def reward_events(run, c):
     (token_of); any other reward one event at the last token."""
     args, last = run.args, len(c.token_ids) - 1
     out = []
-    for name, w in zip(args.reward_funcs, args.reward_weights or [1.0] * len(args.reward_funcs)):
+    for name, w in zip(args.reward_funcs, reward.weights_of(args.reward_funcs, args.reward_weights)):
         if name in c.spans:
             out += [(token_of(run.processor.tokenizer, c.token_ids, end), w * s) for _, end, s in c.spans[name]]
         else:
@@ -521,6 +521,8 @@ def temperature_at(args, step):
     if args.temperature_end is None:
         return args.temperature
     return args.temperature + (args.temperature_end - args.temperature) * (step - 1) / max(1, args.max_steps - 1)
+
+
 def step_line(m):
     """The step's numbers in the progress bar (rank 0): the reward (nan: no completion of the step was scored), the KL,
     the memory; with --tools, the share of calls whose tool failed (raised, timed out) when there is one, so that a
