@@ -82,7 +82,11 @@ def two_rank_reference(tmp_path_factory):
                               env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_SIZE="2",
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
              for r in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:   # a rank that timed out (or its partner) does not outlive the test
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return out, [next(line for line in log.splitlines() if line.startswith("RESULT")) for log in logs]
 

@@ -115,14 +115,15 @@ def test_a_judge_killed_mid_run_stops_the_run_saved_and_a_relaunch_resumes(tmp_p
     flags = [*FAST, "--reward_funcs", "judge", "--judge_url", url, "--judge_model", "stand-in-judge", "--judge_retries",
              "1", "--judge_timeout_s", "5", "--judge_max_failed_steps", "2", "--max_steps", "8", "--save_steps", "100",
              "--val_freq", "0", "--no-save_final_model"]
+    from test_resume import trained
+
     from conftest import command
     cmd, env = command(out, flags, 2, env={"JUDGE_API_KEY": "sk-never-written-0451"})
     os.makedirs(out, exist_ok=True)
     with open(out / "first.log", "w") as log:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 900
-        while p.poll() is None and time.time() < deadline and not any(
-                r["step"] == 2 and "reward/mean" in r for r in (read_metrics(out) if (out / "metrics.jsonl").exists() else [])):
+        while p.poll() is None and time.time() < deadline and not trained(out, 2):
             time.sleep(0.2)
         server.kill()
         server.wait()

@@ -816,6 +816,8 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     import subprocess
     import time
 
+    from test_resume import trained
+
     from conftest import command, read_metrics, terminal_signals, wait_for_group
     run, path = tmp_path / "run", tmp_path / "told.jsonl"
     _, train_jsonl, _ = zoom("qwen2_5_vl")   # rows told to call: every step then calls the crop that hangs
@@ -833,11 +835,8 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     with open(run / "preempted.log", "w") as log:
         p = subprocess.Popen([os.path.join(ROOT, "tools", "requeue.sh"), *argv], cwd=ROOT, env=env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
-    def trained(step):
-        rows = read_metrics(run) if (run / "metrics.jsonl").exists() else []
-        return any(r.get("step") == step and "reward/mean" in r for r in rows)
     deadline = time.time() + 900
-    while p.poll() is None and time.time() < deadline and not trained(1):
+    while p.poll() is None and time.time() < deadline and not trained(run, 1):
         time.sleep(0.5)
     p.send_signal(signal.SIGTERM)   # the script alone: SIGUSR1 to the ranks
     try:
