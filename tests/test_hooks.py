@@ -316,6 +316,10 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
     whole, log = launch(tmp_path / "whole", *flags)
     assert sorted(f for f in os.listdir(tmp_path / "whole" / "checkpoint-2") if f.startswith("reference")) == \
         ["reference0.pt", "reference1.pt"]
+    # the reference follows the policy: its parts differ from one step to the next (a --ref_ema that did nothing
+    # would save the same reference at every checkpoint, and resume it as exactly)
+    parts = [torch.load(tmp_path / "whole" / f"checkpoint-{s}" / "reference0.pt", weights_only=True)["parts"] for s in (2, 3)]
+    assert any(not torch.equal(a, b) for a, b in zip(*parts))
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-3", ".owner.json"))
     resumed, log = launch(tmp_path / "resumed", *flags)
     assert "[resume] from" in log and "checkpoint-2" in log
