@@ -16,9 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """The distribution completions are drawn from, built once from the flags (train.sampling): vLLM
-    samples with it (rollout.sampling_params) and the trainer's log-probs are of it (token_logps). A new
-    setting is one field here, its line in rollout.sampling_params and its line in _chunk_stats."""
+    """The distribution completions are drawn from, built once from the flags (train.sampling). vLLM samples with
+    it (rollout.sampling_params), _VocabStats.forward scores it: a new setting is a field here and a line in each."""
     temperature: float = 1.0
     top_p: float = 1.0               # nucleus of the (top-k) distribution; 1: off
     top_k: int = 0                   # the k most likely tokens, applied before top_p (vLLM's order); 0: off
@@ -26,30 +25,28 @@ class Sampling:
 
     @property
     def truncated(self):
-        """Whether top-k or top-p keep only part of the vocabulary (the sampler's log-probs are then of the
-        renormalised kept part: vLLM's processed log-probs)."""
+        """Whether top-k or top-p keeps only part of the vocabulary."""
         return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclasses.dataclass
 class TokenStats:
-    """What one pass over the vocabulary gives per completion token, each (B, C): a new per-token
-    quantity is one more field here and one more line in _chunk_stats."""
+    """What one pass over the vocabulary gives per completion token, each (B, C). A new per-token quantity is one
+    more field here and one more line in _VocabStats.forward."""
     logps: torch.Tensor                       # log-prob of each sampled token (temperature, banned ids; untruncated)
-    log_kept: torch.Tensor = None             # with_kept and a truncating Sampling: log of the mass top-k / top-p keep (no grad)
-    entropy: torch.Tensor = None              # entropy of the (untruncated) distribution (with_entropy); else None
+    log_kept: torch.Tensor = None             # log of the mass top-k / top-p keep (with_kept; no grad)
+    entropy: torch.Tensor = None              # entropy of the untruncated distribution (with_entropy)
     router: object = None                     # mixture-of-experts: the forward's model.RouterStats (not per token)
 
 
 # ----------------------------------------------------------------------------- advantages
-# The estimators (--advantage_estimator) and the flags each one reads: train.advantages hands an estimator exactly
-# these, by name (a new estimator is a branch of group_advantages and a line here; its option, a flag).
+# Each estimator (--advantage_estimator) and the flags it reads, which train.advantages passes to it by name.
 ESTIMATORS = {"grpo": ("scale_rewards",), "rloo": (), "reinforce_plus_plus_baseline": (), "pass_at_k": ("pass_at_k",),
               "process": ()}
 
 
 def needs_everyone(estimator, scale_rewards):
-    """Whether group_advantages needs every rank's rewards (`everyone`): a std over the whole batch."""
+    """Whether group_advantages needs every rank's rewards (`everyone`) for a std over the whole batch."""
     return estimator == "reinforce_plus_plus_baseline" or (estimator == "grpo" and scale_rewards == "batch")
 
 
@@ -63,11 +60,8 @@ def _group_stats(r):
 
 
 def pass_at_k_advantages(r, k):
-    """Pass@k training's analytical advantages (Chen et al. 2025, arXiv 2508.10751, eqs. 14-15; the authors'
-    RUCAIBox/Passk_Training code/passk_adv.py): a group's reward is pass@k, the chance that k of its G answers
-    drawn without replacement hold a success (a total >= 1: a binary reward's 1), R = 1 - C(N_neg, k) / C(G, k) over
-    its N scored answers; a success gets (1 - R) / std, a failure (1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) /
-    std, std = sqrt(R (1 - R)). r (P, G), NaN where unscored -> (P, G)."""
+    """r (P, G), NaN where unscored, a reward >= 1 a success -> pass@k training's advantages (P, G), arXiv
+    2508.10751. A group without spread or with under max(2, k) scored gets zeros."""
     out = torch.zeros_like(r)
     for i, row in enumerate(r):
         scored = ~row.isnan()
@@ -85,19 +79,10 @@ def pass_at_k_advantages(r, k):
 
 
 def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="group", everyone=None, pass_at_k=None):
-    """rewards (N,) with N = prompts * num_generations, grouped consecutively -> (advantages (N,), the
-    fraction of groups with zero spread). A reward of NaN is a completion no reward function could score:
-    it is left out of its group's statistics and gets advantage 0 (train.py also keeps it out of the loss).
-    Each estimator's own options arrive by name (ESTIMATORS: the flags it reads).
-
-    estimator "grpo": the reward minus its group's mean, divided by scale_rewards' std: "group" (GRPO),
-      "batch" (the std of every rank's rewards, `everyone`; default: of `rewards`), "none" (Dr. GRPO);
-    "rloo": the reward minus the mean of the group's other rewards (Ahmadian et al. 2024, arXiv 2402.14740);
-    "reinforce_plus_plus_baseline": the reward minus its group's mean, divided by the std of those centred
-      rewards over the whole batch, every rank's (REINFORCE++, Hu et al. 2025, arXiv 2501.03262; `everyone`);
-    "pass_at_k": pass@k training's advantages for k = pass_at_k (pass_at_k_advantages).
-    A group whose scored rewards are all equal gets zeros: it carries no signal. ("process" gives one advantage per
-    token: process_advantages.)"""
+    """rewards (N,), N = prompts x num_generations grouped consecutively, NaN where unscored -> (advantages (N,),
+    the fraction of groups with zero spread). An unscored completion, and a group whose scored rewards are all equal,
+    get 0. estimator: "grpo" (its std by scale_rewards: group, batch or none), "rloo",
+    "reinforce_plus_plus_baseline" or "pass_at_k". everyone (M,): every rank's rewards, for a batch std."""
     r = rewards.view(-1, num_generations)                          # (P, G)
     mean, std, n = _group_stats(r)
     centred = r - mean                                             # (P, G), NaN where unscored
@@ -128,12 +113,8 @@ def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="
 
 
 def process_advantages(events, lengths, num_generations):
-    """Process supervision's advantages per token (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300, sec. 4.1.3):
-    every reward of a completion is an event (token index, score): a step's score at the step's last token, an
-    outcome score at the last token. The events of a group are normalised by their mean and std over the group, and a
-    token's advantage is the sum of the normalised events at or after it. events: per completion a list of (index,
-    score), None for an unscored completion (no events, advantage 0); lengths: its tokens. -> ([(n,) tensor per
-    completion], the fraction of groups whose events are all equal)."""
+    """events: per completion [(token index, score)], None if unscored; lengths: its tokens -> ([(n,) per
+    completion], the fraction of groups with zero spread). A token sums the group-normalised events from it on."""
     out, flat = [], 0
     for g in range(0, len(events), num_generations):
         group = events[g:g + num_generations]
@@ -151,10 +132,8 @@ def process_advantages(events, lengths, num_generations):
 
 # ----------------------------------------------------------------------------- log-probs
 def _log_kept(logits, lse, top_k, top_p):
-    """Log of the probability mass that vLLM's truncation keeps, per row of logits (n, V), as its
-    apply_top_k_top_p does it (vllm/v1/sample/ops/topk_topp_sampler.py): top-k first (every logit below
-    the k-th largest dropped: ties at the k-th stay), then the nucleus of the renormalised rest (the
-    smallest ascending tail whose cumulative probability is <= 1 - top_p dropped; the largest kept)."""
+    """logits (n, V), their log-normaliser lse (n,) -> (n,) log of the mass vLLM's top-k then top-p keep (ties at
+    the k-th and the largest logit stay)."""
     if 0 < top_k < logits.shape[-1]:
         logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     if top_p < 1.0:
@@ -170,25 +149,21 @@ def _chunk_stats(lm_head, hidden, token_ids, sampling, with_entropy, with_kept, 
 
 
 class _VocabStats(torch.autograd.Function):
-    """One chunk's logits (n, V), as lm_head returns them, -> the log-prob of each token_ids (n,), the log of the mass
-    top-k / top-p keep (with_kept, no grad) and the entropy (with_entropy), each (n,), of the sampled distribution:
-    float32 logits / temperature, banned ids at probability 0. A torch.autograd.Function for its backward, which
-    writes the gradient of both outputs into one (n, V) buffer from the saved log-softmax: autograd's own backward of
-    the same math (a logsumexp, a gather, the division, the fill, the entropy's products) made five or more. On CPU
-    each fresh (n, V) float32 buffer also costs its page faults: bench.py's chunked forward + backward took 2.6x the
-    naive one, of which most was these buffers (docs/verification.md, issue 42). Inside token_logps' checkpoint the
-    saved log-softmax is recomputed in backward, so the chunk's memory stays one or two (n, V) buffers."""
+    """One chunk's log-probs, kept mass and entropy. An autograd.Function so that its backward writes both outputs'
+    gradient into one (n, V) buffer, where autograd's own backward of the same math made five or more."""
 
     @staticmethod
     def forward(ctx, logits, token_ids, sampling, with_entropy, with_kept, entropy_grad=True):
-        # The float32 logits, scaled and filled in place: the logits themselves when they are float32 (only this
-        # function reads lm_head's output; a saved use would fail autograd's version check, not compute wrong).
+        """logits (n, V) as lm_head returns them, token_ids (n,) -> (log-probs, log of the kept mass, entropy), each
+        (n,) or None, of the sampled distribution: float32 logits / temperature, banned ids at probability 0."""
+        # Scaled and filled in place, on lm_head's own output when it is float32: nothing else reads it.
         x = logits.float()                                             # (n, V)
         if sampling.temperature != 1.0:
             x.div_(sampling.temperature)
         banned = torch.tensor(sampling.banned, dtype=torch.long, device=x.device)
-        if sampling.banned:   # the sampler's logit_bias -inf, as the lowest float: exp() is 0 all the same, and the
-            x.index_fill_(-1, banned, torch.finfo(x.dtype).min)   # entropy's 0 x log 0 stays 0, not NaN
+        # The sampler's logit_bias -inf, as the lowest float: its exp() is 0 and the entropy's 0 x log 0 is not NaN.
+        if sampling.banned:
+            x.index_fill_(-1, banned, torch.finfo(x.dtype).min)
         logp = torch.log_softmax(x, dim=-1)                            # (n, V)
         idx = token_ids.unsqueeze(-1)                                  # (n, 1)
         picked = logp.gather(-1, idx).squeeze(-1)                      # (n,)
@@ -201,16 +176,15 @@ class _VocabStats(torch.autograd.Function):
             log_kept = _log_kept(x, x.amax(-1) - logp.amax(-1), sampling.top_k, sampling.top_p)
         ctx.save_for_backward(logp, token_ids, banned, entropy if with_entropy else None)
         ctx.temperature, ctx.dtype = sampling.temperature, logits.dtype
-        # a logged entropy (entropy_grad False: not in the loss) carries no gradient, so no graph holds it (token_logps)
+        # A logged entropy (entropy_grad False: not in the loss) carries no gradient, so no graph holds it.
         ctx.mark_non_differentiable(*(t for t in (log_kept, None if entropy_grad else entropy) if t is not None))
         ctx.set_materialize_grads(False)
         return picked, log_kept, entropy
 
     @staticmethod
     def backward(ctx, d_picked, d_kept, d_entropy):
-        # d log p_t / dx_j = [j = t] - p_j and d H / dx_j = -p_j (log p_j + H): the gradient is -p_j (d_picked +
-        # d_H (log p_j + H)) plus d_picked at j = t, built in the saved log-softmax's buffer (saved for this alone)
-        # and, with the entropy, one more.
+        """The outputs' gradients, each (n,) or None -> the logits' (n, V), in the saved log-softmax's buffer."""
+        # -p_j (d_picked + d_H (log p_j + H)), plus d_picked at j = t (docs/step.md, "The math in grpo.py").
         logp, token_ids, banned, entropy = ctx.saved_tensors
         if d_picked is None and d_entropy is None:
             return None, None, None, None, None, None
@@ -222,7 +196,7 @@ class _VocabStats(torch.autograd.Function):
             g.mul_(w if d_picked is None else w.add_(d_picked.unsqueeze(-1))).neg_()
         if d_picked is not None:
             g.scatter_add_(-1, token_ids.unsqueeze(-1), d_picked.unsqueeze(-1))
-        if banned.numel():   # the fill's gradient: nothing reaches a banned logit (and a lowest-float product is gone)
+        if banned.numel():   # the fill's gradient: nothing reaches a banned logit
             g.index_fill_(-1, banned, 0.0)
         if ctx.temperature != 1.0:
             g.div_(ctx.temperature)
@@ -231,23 +205,10 @@ class _VocabStats(torch.autograd.Function):
 
 def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=1024, with_entropy=False, with_kept=False,
                 chunks=None, entropy_grad=True):
-    """Log-probs of `token_ids` under `sampling`'s distribution: softmax(lm_head(hidden) / temperature) with
-    the banned ids at probability 0, as the sampler's logit_bias gives them, `chunk_tokens` rows of logits
-    at a time. With `with_entropy`, the entropy of that distribution per token, from the same chunk of
-    logits; with `with_kept` and a truncating `sampling` (top-k, top-p), the log of the mass the
-    truncation keeps, so that logps - log_kept is what the sampler reports (vLLM's processed log-probs).
-
-    hidden (B, C, H) are the states that predict token_ids (B, C). The full (B, C, V) float32
-    logits (V = 151,936 for Qwen2.5-VL: 1.2 GB at 2,048 tokens) never exist at once. Under
-    autograd each chunk is recomputed in backward (checkpoint), so the backward holds one
-    chunk too. -> TokenStats, each (B, C) or None.
-    `chunks`: exactly this many lm_head calls, of equal rows (the last ones may be empty): under ZeRO-3
-    each call gathers lm_head's weight, so ranks with fewer tokens make as many calls (train.micro_batches).
-    `entropy_grad` False: the entropy has no gradient (logged, not in the loss). An entropy with a gradient that
-    the loss never uses keeps its graph alive, and with it every chunk's recomputed tensors that graph saved (the
-    softmax, the masked logits and their mask: 9 B per row and vocabulary entry) until the stats are freed:
-    torch.utils.checkpoint keeps a recomputed tensor for each saved one whose holder still lives (_recomputation_hook).
-    That was 5 GB at 8 x 500 completion tokens on an H200 (issue 42)."""
+    """hidden (B, C, H), the states that predict token_ids (B, C) -> TokenStats, each (B, C) or None: log-probs under
+    softmax(lm_head(hidden) / temperature), banned ids at 0; with_entropy: the entropy; with_kept: the log of the mass
+    top-k / top-p keep. lm_head runs on `chunk_tokens` rows at a time, or in exactly `chunks` calls (each a ZeRO-3
+    gather), so the (B, C, V) logits never exist. entropy_grad False: a logged entropy, without gradient."""
     B, C, H = hidden.shape
     flat_h, flat_ids = hidden.reshape(B * C, H), token_ids.reshape(B * C)
     size = chunk_tokens if chunks is None else -(-B * C // chunks)
@@ -264,16 +225,9 @@ def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=10
 
 # ----------------------------------------------------------------------------- the loss
 def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", cap=2.0):
-    """Importance weights for the gap between the sampler (vLLM) and the trainer at the same weights
-    (kernels, bf16), as TRL, verl and ms-swift apply them. -> (weights, metrics).
-
-    old_logps: the trainer's log-probs at the sampler's weights, of the same distribution the sampler drew
-    from (under top-k / top-p: the truncated one, logps - log_kept; comparing the untruncated ones would
-    make every ratio the kept mass, below 1, and a sequence's weight its product over the tokens);
-    sampler_logps: what vLLM drew them with; mask: (B, C). Ratio pi_old / pi_sampler per token
-    ("token_*") or per sequence ("sequence_*": exp of the summed log-ratio over the completion).
-    "*_truncate" caps it at `cap`; "*_mask" zeroes it above `cap` (the token or sequence then adds no
-    policy gradient). weights: (B, C) or (B, 1)."""
+    """Importance weights for the gap between vLLM and the trainer. old_logps (of vLLM's distribution),
+    sampler_logps, mask: (B, C) -> (weights (B, C) or (B, 1), metrics). mode: a ratio per token_* or sequence_*,
+    capped at `cap` (*_truncate) or zeroed above it (*_mask)."""
     if mode == "none":
         return None, {}
     mask = mask.to(old_logps.dtype)
@@ -297,23 +251,11 @@ def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", ca
 def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None, beta=0.0, ref_logps=None,
               loss_agg="token", norm=None, importance_sampling_level="token", is_weights=None, entropy=None,
               entropy_coef=0.0):
-    """Clipped-ratio policy loss with optional k3 KL and entropy bonus. Returns (loss, metrics).
-
-    logps, old_logps, ref_logps, mask: (B, C); advantages: (B,), or (B, C) one per token (process supervision);
-    is_weights: (B, C) or (B, 1)
-    from sampler_correction, multiplying the clipped term (not the KL), as in TRL. entropy (B, C):
-    logged; with entropy_coef > 0 also subtracted per token (a bonus for exploring), aggregated
-    like the other terms.
-    importance_sampling_level "token" (GRPO): one ratio per token; "sequence" (GSPO, Zheng et al.
-    2025, arXiv 2507.18071): exp of the length-normalised sequence log-ratio, clipped per sequence.
-    loss_agg, micro-batch loss from per-token terms:
-      "token" (DAPO)      sum / norm; norm defaults to the mask sum, train.py passes the token
-                          count of the rollout batch per micro-batch so micro-batches add up;
-      "sequence" (GRPO)   mean over tokens of each sequence, summed over sequences / norm (default:
-                          the micro-batch's sequences; train.py passes the rollout batch's share);
-      "dr_grpo" (Liu et al. 2025, arXiv 2503.20783)  sum / norm, norm = sequences x max_completion_length
-                          (a constant: no length bias), given by the caller.
-    metrics: micro-batch means over its completion tokens ("clip_frac", "kl", "entropy") and "tokens", their count."""
+    """logps, old_logps, ref_logps, entropy, mask: (B, C); advantages: (B,), or (B, C) per token -> (loss, metrics).
+    The clipped-ratio policy loss per token (ratio per "token" or per "sequence": importance_sampling_level) times
+    is_weights (B, C) or (B, 1), plus beta x the k3 KL, minus entropy_coef x entropy. loss_agg: "token" sums over
+    tokens, "sequence" over each sequence's mean, "dr_grpo" as token; each / norm (default: the mask's tokens or
+    sequences; dr_grpo's is required). metrics: means over the tokens (clip_frac, kl, entropy) and their count."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps                                  # (B, C)
