@@ -143,9 +143,8 @@ def request_key(completion, fields):
 
 
 def send(completions, fields):
-    """This step's requests, out at once (identical ones asked once; each prompt, images included, is built in its
-    request's thread): completions[i] with fields[i] (the sample's columns and `_images`). Returns at once;
-    judge() collects."""
+    """Sends completions[i] with fields[i] (the sample's columns and `_images`) to the judge, identical requests
+    once, and returns at once; judge() collects. Each prompt, images included, is built in its request's thread."""
     for c, f in zip(completions, fields):
         key = request_key(c, f)
         with _lock:
@@ -154,9 +153,8 @@ def send(completions, fields):
 
 
 def judge(completions, **columns):
-    """The reward function: the judge's score of each completion (None where it failed), waiting for the requests
-    send() made (sending what it did not). Its failures by reason, the requests' latency and how long this call
-    waited go to STATS (summed over a step's calls)."""
+    """The reward function: the judge's score of each completion, None where it failed. It waits for the requests
+    send() made, sending what it did not. Failures by reason, latency and wait go to STATS, summed over a step."""
     if not SETTINGS.url:
         raise ValueError("the judge reward needs --judge_url")
     t0 = time.perf_counter()

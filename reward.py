@@ -1,31 +1,27 @@
 """Reward functions: plain functions, combined by a weighted sum.
 
-A reward function takes the completions (list of str) and the dataset columns of each sample
-as keyword lists (`solution`, plus any extra JSONL field), and returns one value per completion: a float (None
-counts as a failure), or a list of (start, end, score) spans of the completion's characters, a score per step
-(process rewards: train.score maps each span to the token that ends it; --advantage_estimator process gives each
-token the normalised scores at or after it; any other estimator takes the spans' sum). Adding one = writing a
-function and adding it to REWARDS (or to the REWARDS of a file of your own: --plugins, docs/plugins.md).
+A reward function takes the completions (a list of str) and the dataset columns of each sample as keyword lists
+(`solution`, plus any extra JSONL field). It returns one value per completion: a float (None counts as a failure), or
+a list of (start, end, score) spans of the completion's characters, one score per step (a process reward). To add
+one, write a function and add it to REWARDS, or to the REWARDS of a file of your own (--plugins, docs/plugins.md).
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
 
     accuracy        1/0: multiple-choice letter, number, math (math-verify) or plain string match
     format          1/0: `<think>...</think><answer>...</answer>`
-    iou             0..1: IoU of the answer's box with the `solution` box (optional columns
-                    `image_size`, `seen_size` rescale the solution to the image the model saw;
-                    `norm_bbox`, the model family's box convention, reads the answer's box)
+    iou             0..1: IoU of the answer's box with the `solution` box (columns `image_size`, `seen_size`
+                    and `norm_bbox` bring both to the pixels of the image the model saw)
     length_penalty  -1..0: DAPO's soft overlong punishment (columns `completion_length`,
                     `max_completion_length`, optional `overlong_buffer`)
     equation_steps  spans: each arithmetic step "a op b = c" of the completion, +1 right, -1 wrong (a process
-                    reward, the example of a reward per step)
+                    reward: the example of a reward per step)
     judge           an LLM judge's grade of the completion, from an OpenAI-compatible endpoint (judge.py: --judge_url)
 
-A function that raises or returns None/NaN (or a malformed span) is flagged per completion (summed into
-`reward/<name>_failures`); train.py leaves that completion out of its group's statistics and out of
-the loss (its total here is a placeholder 0), and the run goes on. Left out on purpose:
-registries, a reward model in the training processes (the judge reward asks one behind an endpoint: judge.py),
-partial credit in accuracy (a near miss scores 0), and a wall-clock
-limit on math-verify outside the main thread (its limit is signal.alarm, which only works there).
+A function that raises, or returns None, NaN or a malformed span, fails for that completion (counted in
+`reward/<name>_failures`). train.py leaves the completion out of its group's statistics and out of the loss (its total
+here is a placeholder 0), and the run goes on. Left out on purpose: registries, a reward model in the training
+processes (the judge reward asks one behind an endpoint), partial credit in accuracy, and a time limit on math-verify
+outside the main thread (its limit is signal.alarm, which works only there). docs/step.md, "Rewards", has the details.
 """
 import math
 import re
@@ -56,15 +52,14 @@ def normalize(s):
 
 
 def to_number(s):
-    """"-1,234.5", "50%", "1e3" -> float (the % is dropped: "50%" == "50"); None for anything
-    else, units included ("3 apples" is not a number here)."""
+    """"-1,234.5", "50%", "1e3" -> float, the % dropped; None for anything else, units included."""
     s = normalize(s)
     return float(s.replace(",", "").rstrip("%")) if NUMBER.fullmatch(s) else None
 
 
 def math_parse(s, timeout):
-    """math-verify's parse. It reads LaTeX only inside $...$ or \\boxed{}: bare `\\sqrt 2` or
-    `1+x^2` come out as the number 2 or 1, so bare LaTeX is read wrapped in $...$ first."""
+    """math-verify's parse of s, bare LaTeX read as if inside $...$."""
+    # math-verify reads LaTeX only inside $...$ or \\boxed{}: bare `\\sqrt 2` or `1+x^2` would be the number 2 or 1.
     if "$" not in s and "\\boxed" not in s and re.search(r"[\\^]", s):
         wrapped = math_verify.parse(f"${s}$", parsing_timeout=timeout)
         if any(not isinstance(p, str) for p in wrapped):
@@ -73,13 +68,15 @@ def math_parse(s, timeout):
 
 
 def is_whole_expression(s, parsed):
-    """math-verify picks the last number out of prose: "3 cats" parses to 3. Such a solution is
-    text, not math, or "3 dogs" would score 1."""
+    """Whether math-verify read all of s, not a number out of prose ("3 cats" parses to 3, so "3 dogs" would match)."""
     squash = lambda t: re.sub(r"\s+", "", t)
     return any(isinstance(p, str) and squash(p) == squash(s) for p in parsed)
 
 
 def accuracy_one(answer, solution, timeout):
+    """1/0 for answer against solution, by the first rule that applies: a letter A-E, the answer's first standalone
+    capital; two numbers, equal within a relative 1e-4; LaTeX or a whole expression, math-verify; else the
+    normalized strings."""
     if not answer:
         return 0.0
     choice = CHOICE.fullmatch(solution.strip())
@@ -100,14 +97,8 @@ def accuracy_one(answer, solution, timeout):
 
 
 def accuracy(completions, solution, **kwargs):
-    """1/0 for the answer (the last <answer>...</answer>, else the whole completion) against the
-    solution, by the first rule that applies:
-    - a solution A-E ("B", "(B)", "B."): the answer's first standalone capital A-E (or a lone letter);
-    - two numbers: equal within a relative 1e-4 (1e-6 absolute around 0);
-    - a LaTeX solution ($, \\, ^), or one math-verify reads whole: math_verify.verify, so
-      \\frac{1}{2} == 0.5 (it takes the last number of a prose answer: "3 apples" == "3");
-    - else, or when math-verify says no: string equality after lower-casing, collapsing spaces
-      and dropping a final period."""
+    """1/0 per completion for its answer (extract_answer) against its solution (accuracy_one); None where the
+    solution is None."""
     # math-verify's time limit is signal.alarm: it raises outside the main thread, so off there.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     return [None if s is None else accuracy_one(extract_answer(c), str(s), timeout)
@@ -122,20 +113,17 @@ def format(completions, **kwargs):
 
 
 def box_of(value):
-    """[x1, y1, x2, y2] from a list of 4 numbers or the first four numbers of a text ("[1, 2, 3, 4]",
-    "(1,2),(3,4)", "<|box_start|>(1,2),(3,4)<|box_end|>", '{"bbox_2d": [1,2,3,4]}'); None if
-    there are fewer, or the box is empty (x2 <= x1 or y2 <= y1)."""
+    """value's first 4 numbers as [x1, y1, x2, y2]; None if fewer or empty."""
     if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
         nums = [float(v) for v in value]
-    else:  # text, or a list of strings / a nested list: read its printed form
+    else:  # text ("(1,2),(3,4)", '{"bbox_2d": [1,2,3,4]}'), or a list of strings or lists: read its printed form
         nums = [float(v) for v in COORD.findall(str(value))[:4]]
     ok = len(nums) == 4 and all(map(math.isfinite, nums)) and nums[2] > nums[0] and nums[3] > nums[1]
     return nums if ok else None
 
 
 def box_in_pixels(box, norm_bbox, size):
-    """A box as the model wrote it, in its family's convention (model.FAMILIES norm_bbox: "none", pixels of the image
-    as it was shown; "norm1000", 0-1000 across its width and height), -> pixels of the shown image of `size` (w, h)."""
+    """box in norm_bbox's convention -> pixels of the shown image of size (w, h)."""
     if norm_bbox in (None, "none"):
         return box
     if norm_bbox != "norm1000":
@@ -145,6 +133,7 @@ def box_in_pixels(box, norm_bbox, size):
 
 
 def box_iou(a, b):
+    """Boxes a, b as [x1, y1, x2, y2], b not empty -> their IoU."""
     w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     area = lambda r: (r[2] - r[0]) * (r[3] - r[1])
@@ -152,34 +141,26 @@ def box_iou(a, b):
 
 
 def iou(completions, solution, image_size=None, seen_size=None, norm_bbox=None, **kwargs):
-    """IoU of the answer's box with the solution box, in [0, 1]; 0.0 for a missing, unreadable
-    or empty box (x2 <= x1 or y2 <= y1). The IoU itself is the reward, as in VLM-R1, not 1 above
-    a 0.5 threshold: a 0.45 box still beats a 0.1 box, so a group of poor boxes still has signal.
-
-    The solution box is in pixels of the original image. The model answers in its family's convention
-    (`norm_bbox`, data.prepare's column from model.FAMILIES): Qwen2.5-VL in pixels of the image it was
-    shown, which the processor may have downscaled; Qwen3-VL and Qwen3.5 on a 0-1000 scale across it.
-    With `image_size` (the original [width, height]) and `seen_size` (the shown [width, height]) both
-    boxes are brought to the shown image's pixels first; without them the two are taken to be in the
-    same units. A solution that is not a box is a data error: None (a failure)."""
+    """Per completion, the IoU in [0, 1] of its answer's box with its solution box; 0.0 for no readable box, None
+    for a solution that is none."""
     n = len(completions)
     image_size, seen_size, norm_bbox = image_size or [None] * n, seen_size or [None] * n, norm_bbox or [None] * n
     out = []
     for c, s, orig, seen, norm in zip(completions, solution, image_size, seen_size, norm_bbox):
         gold, mine = box_of(s), box_of(extract_answer(c))
+        # Both boxes to the shown image's pixels; without image_size and seen_size both are taken in the same units.
         if gold is not None and orig and seen:
             sx, sy = seen[0] / orig[0], seen[1] / orig[1]
             gold = [gold[0] * sx, gold[1] * sy, gold[2] * sx, gold[3] * sy]
             mine = mine and box_in_pixels(mine, norm, seen)
+        # The IoU itself, not 1 above a threshold, so that a group of poor boxes still has a signal.
         out.append(None if gold is None else box_iou(gold, mine) if mine else 0.0)
     return out
 
 
-# DAPO, "Overlong Reward Shaping" (Yu et al. 2025, arXiv 2503.14476): a completion cut at the limit
-# is punished instead of being scored on a truncated answer, and the ramp before it warns softly.
+# DAPO's overlong reward shaping (arXiv 2503.14476): a completion cut at the limit is punished, not scored.
 def length_penalty(completions, completion_length, max_completion_length, overlong_buffer=None, **kwargs):
-    """0 up to max - buffer tokens, then linearly down to -1 at max, -1 beyond; buffer defaults
-    to 0.2 * max. Lengths are tokens, given per completion."""
+    """0 up to max - buffer tokens, linearly down to -1 at max, -1 beyond; buffer 0.2 x max by default."""
     buffers = overlong_buffer or [None] * len(completions)
     out = []
     for length, limit, buf in zip(completion_length, max_completion_length, buffers):
@@ -191,15 +172,12 @@ def length_penalty(completions, completion_length, max_completion_length, overlo
     return out
 
 
-# A process reward (a score per step, as spans of the completion's characters): each arithmetic step "12 * 7 = 84"
-# (+, -, *, x, the multiplication sign, /) is checked; +1 for a right one, -1 for a wrong one. The example of a reward
-# per token span: a verifier of proof steps or a process reward model's scores per line go the same way.
+# A process reward, the example of a score per step: each arithmetic step "12 * 7 = 84" (+, -, *, x, the times sign, /).
 STEP = re.compile(r"(-?\d+(?:\.\d+)?)\s*([-+*/x\u00d7])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)")
 
 
 def equation_steps(completions, **kwargs):
-    """Per completion, [(start, end, +1 or -1)] for each arithmetic step "a op b = c" in it (character offsets of
-    the step in the completion)."""
+    """Per completion, [(start, end, +1 or -1)]: the characters of each arithmetic step "a op b = c", +1 if right."""
     ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "x": lambda a, b: a * b,
            "\u00d7": lambda a, b: a * b, "/": lambda a, b: a / b if b else math.nan}
     return [[(m.start(), m.end(), 1.0 if abs(ops[m[2]](float(m[1]), float(m[3])) - float(m[4])) < 1e-9 else -1.0)
@@ -211,8 +189,8 @@ REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty":
 
 
 def spans_of(value, text):
-    """A reward's spans for one completion, checked: [(start, end, score)] with 0 <= start < end <= len(text) and a
-    finite score; None when it is not such a list (the completion's value then fails)."""
+    """A reward's value for `text` -> [(start, end, score)], checked: 0 <= start < end <= len(text), a finite
+    score; else None."""
     if not isinstance(value, (list, tuple)):
         return None
     out = []
@@ -225,7 +203,7 @@ def spans_of(value, text):
 
 
 def weights_of(names, weights):
-    """--reward_weights for --reward_funcs `names`: 1 each when not given, else one per function."""
+    """`weights`, one per name, or 1 each if not given."""
     weights = weights or [1.0] * len(names)
     if len(weights) != len(names):
         raise ValueError(f"--reward_weights has {len(weights)} values for {len(names)} --reward_funcs")
@@ -233,11 +211,9 @@ def weights_of(names, weights):
 
 
 def compute_rewards(names, weights, completions, columns, spans=None):
-    """-> (total (N,), per-function scores {name: [N floats]}, failed {name: [N bools]}). A function that returns
-    spans scores a completion their sum; `spans` (a dict, when given) gets {name: [N lists of (start, end, score), or
-    None for a plain score]} of the functions that returned any.
-
-    columns: {field: list of N values}, the sample fields repeated per completion."""
+    """completions (N), columns {field: N values} -> (total (N,), scores {name: N floats}, failed {name: N bools}).
+    A reward that returns spans scores their sum; `spans`, when given, gets {name: N lists of (start, end, score),
+    None for a plain score} for each reward that returned any."""
     weights = weights_of(names, weights)
     total, scores, failed = [0.0] * len(completions), {}, {}
     for name, w in zip(names, weights):
