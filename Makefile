@@ -51,7 +51,7 @@ lint: venv   # pyflakes' rules and the import order (ruff.toml)
 	$(VENV)/bin/ruff check .
 
 bench: venv
-	$(PY) bench.py
+	$(PY) tools/bench.py
 
 # The first command on a GPU box: the GPU-only path, one pass/fail line per item, runs/gpu-check/report.json
 # (OUT=dir for another folder, MODEL=path for your model). It runs in .venv if there is one, else in python3;
@@ -59,7 +59,7 @@ bench: venv
 # make gpu-check GPU_PY=/path/to/gpu-env/bin/python. A GPU that the interpreter's torch cannot use fails (exit 2).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) gpu_check.py $(if $(MODEL),--model $(MODEL)) $(if $(OUT),--out $(OUT))
+	$(GPU_PY) tools/gpu_check.py $(if $(MODEL),--model $(MODEL)) $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf runs .cache

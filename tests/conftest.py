@@ -9,6 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))   # tools/bench.py and tools/gpu_check.py, imported by tests
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

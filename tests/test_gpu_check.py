@@ -71,14 +71,14 @@ def test_a_gpu_that_torch_cannot_use_fails_and_names_the_interpreter(tmp_path):
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                            if not os.path.exists(os.path.join(p, "nvidia-smi")))   # a real one, on a GPU box
     out = tmp_path / "direct"
-    r = subprocess.run([sys.executable, "gpu_check.py", "--dev", str(dev), "--out", str(out)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dev", str(dev), "--out", str(out)], cwd=ROOT,
                        env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and f"{dev}/nvidia0" in r.stdout and sys.executable in r.stdout, r.stdout + r.stderr
     report = json.load(open(out / "report.json"))
     assert "cannot use" in report["device"] and {e["status"] for e in report["items"].values()} == {"skipped"}
 
-    r = subprocess.run([sys.executable, "gpu_check.py", "--dev", empty, "--out", str(tmp_path / "none")], cwd=ROOT,
-                       env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dev", empty, "--out", str(tmp_path / "none")],
+                       cwd=ROOT, env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "no GPU here" in r.stdout, r.stdout + r.stderr
     assert json.load(open(tmp_path / "none" / "report.json"))["device"] == "no GPU"
 
@@ -202,7 +202,7 @@ def test_linear_attention_kernels_and_the_item_that_fails_on_the_fallback(tmp_pa
         (tmp_path / rel).write_text(text)
     code = "import gpu_check; print('FIGURES', gpu_check.ITEMS['qwen3_5_linear_attention_kernels'](None)['kernels'])"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT])))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(ROOT, "tools")])))
     assert r.returncode == 0, r.stdout + r.stderr
     said = r.stdout.split("FIGURES")[1]
     assert "fla.ops.gated_delta_rule.chunk_gated_delta_rule (flash-linear-attention 0.6.0-standin)" in said, said

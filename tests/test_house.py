@@ -1,6 +1,7 @@
 """The house's floors (DESIGN.md, README "Files"): a file imports only the project's files on floors below it, or on
-its own floor before it, at the top of the file; no circle; no import of a project file inside a function (bench.py and
-gpu_check.py may import lazily: a GPU box may lack vLLM). Read from the source with `ast`, nothing is imported."""
+its own floor before it, at the top of the file; no circle; no import of a project file inside a function
+(tools/bench.py and tools/gpu_check.py may import lazily: a GPU box may lack vLLM). Read from the source with `ast`,
+nothing is imported."""
 import ast
 import os
 
@@ -16,16 +17,23 @@ FLOORS = [
      ["startup", "learner", "train", "bench", "gpu_check"]),
 ]
 ORDER = {name: (floor, i) for floor, (_, names) in enumerate(FLOORS) for i, name in enumerate(names)}
+IN_TOOLS = {"bench", "gpu_check"}   # on the top floor, but in tools/
 LAZY_OK = {"bench", "gpu_check"}
 
 
+def path(name):
+    return os.path.join(ROOT, "tools" if name in IN_TOOLS else "", name + ".py")
+
+
 def project_files():
-    return sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    """The root's .py files and the two in tools/ that import the project."""
+    root = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")]
+    return sorted(root + [name for name in IN_TOOLS if os.path.exists(path(name))])
 
 
 def imports(name):
-    """[(imported project module, line, inside a function)] of ROOT/name.py."""
-    tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
+    """[(imported project module, line, inside a function)] of the file `name` (path(name))."""
+    tree = ast.parse(open(path(name)).read())
     inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f) if n is not f}
     found = []

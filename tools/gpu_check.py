@@ -1,31 +1,13 @@
-"""`make gpu-check`: the first command on a GPU box. Runs the GPU-only path on the tiny model (or
---model PATH), one pass/fail line per item with the measured figures, in runs/gpu-check/report.json;
-exits non-zero on any failure. About 15 minutes on one GPU: each item that launches train.py takes a
-minute or two.
+"""`make gpu-check`: the first command on a GPU box. Runs the GPU-only path on the tiny model (or --model PATH),
+one pass/fail line per item with its measured figures, into runs/gpu-check/report.json, and exits non-zero on any
+failure. About 15 minutes on one GPU: each item that launches train.py takes a minute or two.
 
-    python gpu_check.py [--model PATH] [--out runs/gpu-check] [--only ITEM ...] [--list]
+    python tools/gpu_check.py [--model PATH] [--out runs/gpu-check] [--only ITEM ...] [--list]
 
-Without vLLM installed (e.g. a box where only DeepSpeed could be built) its items are reported as
-skipped and the rest still runs: FusedAdam, ZeRO-3 bf16 steps with fp32 gradient accumulation,
-offload_states/reload_states over two steps and again after a resume, the reference model's
-placement, device-level memory per lever (freed GB), gc after offload, the planner's prediction
-next to the measured device memory. With vLLM: engine start with sleep mode, and for sleep levels 1
-and 2: sleep -> wake weights -> bucketed sync -> wake KV -> generate, vLLM vs trainer log-probs
-(fp32 <= 1e-4; bf16 reported), the memory each level frees, the thread count after engine start;
-then train.py itself under the launcher (two steps each): the production cycle, and the paths behind
-earlier GPU crashes: LoRA with each --lora_sync, a frozen vision tower with --offload_optimizer (and
---offload_model refused beside it), the tiny Qwen3.5 (vLLM's Gated DeltaNet kernels and training's), the tiny
-mixture-of-experts families with and without --routing_replay (vLLM's routed experts replayed in training, every
-completion ended by a stop token), --tools (the zoom task's crops between turns) and videos (the motion task);
-and vLLM's GPU sampler under top-k / top-p against the trainer's truncated log-probs.
-Without vLLM too: --shared_prefix against the standard forward on the GPU's own sdpa kernel,
-which Gated DeltaNet kernels Qwen3.5 trains with (a fail on transformers' slow PyTorch fallback), the
-vision tower's attention as one varlen call per layer against transformers' loop over its windows, and the update at
-Qwen2.5-VL-7B's shape (realsize: time, MFU, the peak beside the plan's terms, both layouts, checkpointing on and off).
-
-On a machine without a GPU it says so and exits 0: the non-GPU parts are covered by `make test`.
-On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make gpu-check` picks
-.venv, the CPU stack of `make test`, when it exists) it names the interpreter and exits 2.
+`--list` says what each item checks; docs/verification.md says what they cover. Without vLLM installed its items are
+reported as skipped and the rest still run. On a machine without a GPU it says so and exits 0: the non-GPU parts are
+covered by `make test`. On one with an NVIDIA GPU (/dev/nvidia*, nvidia-smi) whose torch has no CUDA (`make
+gpu-check` picks .venv, the CPU stack of `make test`, when it exists) it names the interpreter and exits 2.
 """
 import argparse
 import contextlib
@@ -41,8 +23,10 @@ import tempfile
 import time
 import traceback
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the project's files sit one folder up, in the root
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-import torch
+import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import model as policy_model  # noqa: E402  (the name `model` is a local below)
@@ -67,9 +51,9 @@ class Skip(Exception):
 
 # ----------------------------------------------------------------------------- a GPU that torch cannot see
 def find_gpu(dev="/dev", smi="nvidia-smi"):
-    """Signs of an NVIDIA GPU on this machine, whatever torch says: its device files (dev/nvidia0, ...) and
-    the GPUs that `smi -L` (smi looked up on PATH) lists -> a short description, or None. The places to look
-    are arguments so that a test points them at a fake /dev and a fake nvidia-smi."""
+    """Signs of an NVIDIA GPU on this machine, whatever torch says: its device files (dev/nvidia0, ...) and the
+    GPUs that `smi -L` lists -> a short description, or None. The places to look are arguments so that a test can
+    point them at a fake /dev and a fake nvidia-smi."""
     signs = sorted(p for p in glob.glob(os.path.join(dev, "nvidia*"))
                    if re.fullmatch(r"nvidia\d+", os.path.basename(p)))   # not nvidiactl, nvidia-uvm
     exe = shutil.which(smi)
@@ -178,10 +162,9 @@ def zero3_bf16_steps(box):
 
 @item
 def offload_states_two_steps_and_after_resume(box):
-    """--offload_optimizer --offload_model: the states leave the GPU and come back, twice, and again
-    after a checkpoint is saved and loaded into a fresh engine (the offload buffers stay off it). On the
-    embedded default this runs the 100M model of the same family and tokenizer (~1.8 GB of states): the
-    tiny model's states are below the device's 2 MiB granularity, where freed amounts compare nothing."""
+    """--offload_optimizer --offload_model: the states leave the GPU and come back, twice, and again after a
+    checkpoint is saved and loaded into a fresh engine (the offload buffers stay off it). On the embedded default it
+    runs the 100M model of the same family, as the tiny model's states are below the device's 2 MiB granularity."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
     import checkpoint
@@ -275,10 +258,9 @@ def planner_next_to_measured(box):
 
 def prefix_agreement(box, device, dtype):
     """One micro-batch of box's two prompts (a group of 4 completions, one of 2) through the standard forward
-    (data.collate) and the shared-prefix one (data.collate_prefix) of box.model on `device` in `dtype`, with
-    gradient checkpointing as train.py runs it, and the gradients of one loss -> the largest log-prob
-    difference, the largest gradient difference relative to its parameter's largest gradient, and the aten
-    attention ops each path ran (sdpa picks its kernel by device, dtype and mask)."""
+    (data.collate) and the shared-prefix one (data.collate_prefix) of box.model on `device` in `dtype`, gradient
+    checkpointing on, and the gradients of one loss -> the largest log-prob difference, the largest gradient
+    difference relative to its parameter's largest gradient, and the aten attention ops each path ran."""
     from torch.profiler import profile
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -323,17 +305,15 @@ def shared_prefix_equals_standard(box):
     return {"float32": fp32, "bfloat16": prefix_agreement(box, "cuda", torch.bfloat16)}
 
 
-# 8 images of a Qwen2.5-VL-7B's token counts (merged tokens, h x w; issue 42: 1,036-1,296 each)
+# 8 images of a Qwen2.5-VL-7B's token counts (merged tokens, h x w: 1,036-1,296 each)
 VISION_IMAGES = [(28, 37), (36, 36), (32, 40), (30, 36), (34, 34), (29, 40), (36, 31), (33, 38)]
 
 
 def vision_tower_agreement(device, dtype, images=VISION_IMAGES, **widths):
-    """A Qwen2.5-VL-7B vision tower of 2 blocks (planner.builtin_config's, random init: one windowed block, one full)
-    on `images` (merged tokens, h x w each), `widths` overriding the config's: forward and backward through
-    transformers' sdpa loop and through model.vision_attention (block_attention: torch's varlen flash kernel where
-    sdpa's flash kernel runs, else one padded sdpa call per group of lengths) -> the largest difference of the
-    output and of the gradients, each relative to its largest value, each path's attention calls (profiler: sdpa's
-    and the varlen op's) and seconds (after a warm-up, without the profiler)."""
+    """A 2-block Qwen2.5-VL-7B vision tower (random init, one windowed block and one full) on `images` (merged
+    tokens, h x w each), `widths` overriding the config's, forward and backward through transformers' sdpa loop and
+    through model.vision_attention -> the largest relative difference of the output and of the gradients, and each
+    path's attention calls (sdpa's and the varlen op's) and seconds (after a warm-up, without the profiler)."""
     from torch.profiler import profile
     from transformers import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -379,10 +359,10 @@ def vision_tower_agreement(device, dtype, images=VISION_IMAGES, **widths):
 
 @item
 def vision_attention_one_call(box):
-    """The vision tower's attention as one call per layer (model.vision_attention) against transformers' sdpa loop
-    (one call per window or image), on a 7B-wide tower of 2 blocks and 8 images of a 7B's token counts, forward and
-    backward: in bf16 through torch's varlen flash kernel (one call a block asserted; outputs and gradients within
-    bf16's 5e-2 of the loop's), in fp32 through the padded sdpa path (1e-4); each path's calls and seconds."""
+    """The vision tower's attention as one call per layer (model.vision_attention) against transformers' sdpa loop,
+    forward and backward, on a 7B-wide tower of 2 blocks with 8 images of a 7B's token counts: in bf16 through
+    torch's varlen flash kernel (one call a block, within 5e-2 of the loop), in fp32 through the padded sdpa path
+    (within 1e-4)."""
     bf16 = vision_tower_agreement("cuda", torch.bfloat16)
     assert bf16["calls"]["one_call"].get("torch_attn::_varlen_attn") == 2, bf16["calls"]
     assert bf16["output_rel_diff"] <= 5e-2 and bf16["grad_rel_diff_max"] <= 5e-2, bf16
@@ -393,9 +373,9 @@ def vision_attention_one_call(box):
 
 @item
 def qwen3_5_linear_attention_kernels(box):
-    """The Gated DeltaNet and conv1d kernels transformers trains Qwen3.5 with (model.linear_attention_kernels):
-    fails on its PyTorch fallback, an fp32 chunked loop over an order of magnitude slower on an H100
-    (flash-linear-attention or causal-conv1d missing from this interpreter: requirements.txt)."""
+    """The Gated DeltaNet and conv1d kernels transformers trains Qwen3.5 with (model.linear_attention_kernels).
+    Fails on its PyTorch fallback, which is far slower: flash-linear-attention or causal-conv1d is missing from this
+    interpreter (requirements.txt)."""
     from transformers import AutoConfig
 
     import tiny
@@ -408,8 +388,8 @@ def qwen3_5_linear_attention_kernels(box):
 # ----------------------------------------------------------------------------- the update at a published shape
 # bf16 dense peak of a GPU, TFLOPS (the vendors' data sheets), for the MFU (6 x params x tokens / seconds / peak)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0, "L40S": 362.0}
-# issue 42's workload: 8 prompts of 1,157-1,430 tokens with one image of all but 121-134 of them, 8 completions each of
-# 200-500 tokens (random ids: the memory and the time do not depend on them)
+# A 7B's long-prompt workload: 8 prompts of 1,157-1,430 tokens with one image of all but 121-134 of them, 8 completions
+# each of 200-500 tokens (random ids: the memory and the time do not depend on them)
 REALSIZE = dict(model="qwen2.5-vl-7b", prompts=8, generations=8, prompt_tokens=(1157, 1430), text_tokens=(121, 134),
                 completion_tokens=(200, 500))
 
@@ -459,11 +439,9 @@ def cuda_peak(fn):
 
 @contextlib.contextmanager
 def plain_linear():
-    """torch's own F.linear while the update is measured. A ZeRO-3 model built earlier in this process (gpu-check's other
-    items; zero.Init under an HfDeepSpeedConfig) left DeepSpeed's zero3_linear_wrap in its place ("This will persist
-    unless manually reset", deepspeed/runtime/zero/partition_parameters.py, _enable_mem_efficient_linear). Its weight
-    gradient is no transposed view, so lm_head's gradients of the log-prob chunks then add up in place: one V x h
-    less than a plain module holds (planner.update_bytes counts the plain module's three at the first sum)."""
+    """torch's own F.linear while the update is measured. A ZeRO-3 model built earlier in this process leaves
+    DeepSpeed's zero3_linear_wrap in its place, under which lm_head's chunk gradients add up in place: one V x h
+    less than the plain module that planner.update_bytes counts."""
     saved = torch.nn.functional.linear
     torch.nn.functional.linear = torch._C._nn.linear
     try:
@@ -473,13 +451,12 @@ def plain_linear():
 
 
 def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, peak=cuda_peak, fits=None):
-    """The trainer's update at `config`'s shape on one device, a plain module (no ZeRO-3, no optimizer step): random
-    weights, sdpa, for each (layout, checkpointing) of `cases` train.micro_batches' layout of `groups` and, per
-    micro-batch, learner.completion_logps (the update's call) + the GRPO loss + backward, gradients accumulating in the
-    model's dtype. -> {case: figures}: seconds, tokens, MFU (where the device's peak is known), and the peak above the
-    weights and their gradients (the issue's "peak - weights - grads") next to planner.update_bytes for the micro-batch
-    that peaked, term by term. `fits(plan bytes)` False: the case is not run (the plan's figure is reported), so that
-    a layout the device cannot hold does not end the check in an OOM."""
+    """The trainer's update at `config`'s shape on one device as a plain module (random weights, sdpa, no ZeRO-3, no
+    optimizer step): for each (layout, checkpointing) of `cases`, train.micro_batches' layout of `groups`, then per
+    micro-batch learner.completion_logps, the GRPO loss and backward, gradients accumulating in the model's dtype.
+    -> {case: figures}: seconds, tokens, MFU (where the device's peak is known), and the peak above the weights and
+    their gradients beside planner.update_bytes' terms for the micro-batch that peaked. A case that `fits(plan
+    bytes)` rejects is reported, not run, so that it cannot end the check in an OOM."""
     import types
 
     from transformers import AutoModelForImageTextToText
@@ -561,10 +538,10 @@ def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, 
 
 @item
 def realsize(box):
-    """The update at Qwen2.5-VL-7B's shape (planner.builtin_config, random weights) on this GPU as a plain module, bf16,
-    sdpa: issue 42's 8 prompts x 8 completions in the shared-prefix and the standard layout, gradient checkpointing on
-    and off; per case the time, MFU, and the peak above weights and gradients beside the plan's terms (a case the plan
-    says cannot fit here is reported, not run). About 2 minutes on an H200."""
+    """The update at Qwen2.5-VL-7B's shape (planner.builtin_config, random weights) on this GPU as a plain module,
+    bf16, sdpa: REALSIZE's 8 prompts x 8 completions in the shared-prefix and the standard layout, gradient
+    checkpointing on and off. Per case the time, MFU, and the peak above weights and gradients beside the plan's
+    terms; a case the plan says cannot fit here is reported, not run."""
     import planner
     config = planner.builtin_config(REALSIZE["model"])
     groups = realsize_groups(config, REALSIZE["prompts"], REALSIZE["generations"], REALSIZE["prompt_tokens"],
@@ -603,7 +580,6 @@ RUNS = {
 }
 PRODUCTION = RUNS["production"]   # the production cycle's flags (tests/test_memory.py plans them)
 # transformers' warning when a function runs its PyTorch reference code for want of a kernel package
-# (integrations/hub_kernels.py: use_kernel_func_from_hub_with_fallback)
 FALLBACK_WARNING = "falling back to its reference PyTorch implementation"
 
 
@@ -618,7 +594,7 @@ def launch(box, name, env=None):
     """train.py with RUNS[name], in box.out/name -> (exit code, its output); the output is kept in name.log."""
     run_dir = os.path.join(box.out, name)
     r = subprocess.run(launch_command(run_dir, RUNS[name], free_port()), capture_output=True, text=True, timeout=900,
-                       cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **(env or {})})
+                       cwd=ROOT, env={**os.environ, **(env or {})})
     with open(os.path.join(box.out, f"{name}.log"), "w") as f:
         f.write(r.stdout + r.stderr)
     return r.returncode, r.stdout + r.stderr
@@ -730,9 +706,9 @@ def frozen_vision_tower_offload(box):
 @item
 def qwen3_5_training_and_vllm(box):
     """The tiny Qwen3.5 (Gated DeltaNet and gated attention layers) under the launcher, two bf16 steps with sleep
-    level 1: vLLM's GDN kernels in generation (the prefill kernel it chose is reported; FlashInfer's, its pick on
-    an H100, is JIT-compiled on first use: --vllm_gdn_prefill_backend triton is the way out) and transformers' in
-    training, which must not fall back to its PyTorch reference code."""
+    level 1: vLLM's GDN kernels in generation (the prefill kernel it chose is reported) and transformers' in
+    training, which must not fall back to its PyTorch reference code. FlashInfer's prefill kernel JIT-compiles on
+    first use; --vllm_gdn_prefill_backend triton avoids it."""
     need_vllm()
     try:
         rows, log = trained(box, "qwen3_5", env={"VLLM_LOGGING_LEVEL": "INFO"})   # INFO: vLLM's kernel choice
@@ -751,10 +727,10 @@ def qwen3_5_training_and_vllm(box):
 
 @item
 def tools_multi_turn(box):
-    """--tools on this GPU: the zoom task (its model's prior calls the crop tool) in bf16 with sleep level 1 under the
-    launcher, two steps: every live trajectory a turn per generate call, the crop's image back into vLLM between
-    turns (its processor cache sized for a step: toolbox.processor_cache_gb), the multi-turn log-probs in training.
-    Fails unless every step's trajectories called the tool and took a second turn (tools/turns_max 2)."""
+    """--tools on this GPU: the zoom task in bf16 with sleep level 1 under the launcher, two steps: every live
+    trajectory a turn per generate call, the crop's image back into vLLM between turns (its processor cache sized
+    for a step), the multi-turn log-probs in training. Fails unless every step's trajectories called the tool and
+    took a second turn (tools/turns_max 2)."""
     need_vllm()
     rows, _ = trained(box, "tools")
     figures = {k: [r.get(k) for r in rows] for k in ("tools/calls_mean", "tools/failure_frac", "tools/turns_max",
@@ -765,11 +741,10 @@ def tools_multi_turn(box):
 
 @item
 def video_with_vllm(box):
-    """Videos on this GPU: the motion task (one video a prompt, its frames chosen and downscaled once: data.load_video)
-    under the launcher, two steps in bf16 and two in fp32 with sleep level 1: vLLM's video path (its processor and the
-    normalization it does on the device, rollout.engine_kwargs) beside training's M-RoPE positions of the same frames
-    (model.rope_index). Fails unless both train and the fp32 run's vLLM and trainer log-probs agree within 1e-3
-    (vllm_sleep_levels' 1e-4 on images; tests/test_video.py: 1e-4 on CPU); bf16's gap is reported."""
+    """Videos on this GPU: the motion task (one video a prompt, data.load_video) under the launcher, two steps in
+    bf16 and two in fp32 with sleep level 1: vLLM's video path beside training's M-RoPE positions of the same frames
+    (model.rope_index). Fails unless both train and the fp32 run's vLLM and trainer log-probs agree within 1e-3;
+    bf16's gap is reported."""
     need_vllm()
     out = {}
     for name in ("video", "video_fp32"):
@@ -781,16 +756,14 @@ def video_with_vllm(box):
 
 
 # routing_replay's runs: the tiny mixture-of-experts families in bf16 under the launcher, each with and without
-# --routing_replay (tests/test_moe.py parses them and passes them through check_args). Every completion must end by a
-# stop token, as a real model's do: then the last one to finish leaves a batch that vLLM's async scheduling had
-# already queued, the case that crashed the second step (issue 42; rollout.engine_kwargs turns it off). A completion
-# ended by its length leaves none (vLLM's scheduler knows max_tokens ahead), as with the 16 tokens these runs had.
-# The random-init tiny models draw a stop token at 0.3-2% a token; at 8,192 tokens the chance that any of a step's
-# completions (512) runs to the end is below 1e-4 (tests/test_moe.py measures it on CPU). Micro-batches of 4: the
-# plan takes every completion at that length, and 32 of them without checkpointing need 155 GB of activations.
+# --routing_replay (tests/test_moe.py parses them). Every completion must end by a stop token, as a real model's do:
+# only then does the last one to finish leave a batch that vLLM's async scheduling had already queued, the case that
+# crashed the second step (rollout.engine_kwargs turns async scheduling off). At 8,192 tokens the chance that one of a
+# step's completions runs to its end is below 1e-4 (tests/test_moe.py); micro-batches of 4 keep the plan in hand.
 REPLAY_MAX_TOKENS = 8192
 ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_arch", arch, "--max_completion_length",
-                                                              str(REPLAY_MAX_TOKENS), "--per_device_train_batch_size", "4",
+                                                              str(REPLAY_MAX_TOKENS),
+                                                              "--per_device_train_batch_size", "4",
                                                               *(["--routing_replay"] if on else []), *SHORT]
                        for arch in ("qwen3_vl_moe", "qwen3_5_moe") for on in (False, True)}
 
@@ -798,19 +771,17 @@ ROUTING_REPLAY_RUNS = {f"{arch}{'_replay' if on else ''}": ["--bf16", "--tiny_ar
 @item
 def routing_replay(box):
     """--routing_replay on the tiny Qwen3-VL-MoE and Qwen3.5-MoE in bf16 under the launcher, each beside the same run
-    without it: vLLM returns each completion's routed experts (enable_return_routed_experts, its V2 runner and prefix
-    caching), update's forward replays them, and rollout/logp_diff_max and _mean of each step are reported both ways.
-    Fails if a replay run does not train, or if its first step (the weights and seeds of the run without it, so the
-    same completions) comes further from vLLM's log-probs than the run without, past bf16's rounding (0.02), or if a
-    completion of the first step ran to its length instead of ending by a stop token (then the second step's sync
-    did not follow a queued batch: issue 42's crash went untested)."""
+    without it: vLLM returns each completion's routed experts and the update's forward replays them; each step's
+    rollout/logp_diff_max and _mean are reported both ways. Fails if a run does not train, if a replay run's first
+    step comes further from vLLM's log-probs than the run without past bf16's rounding (0.02), or if a first-step
+    completion ran to its length instead of ending by a stop token (then the queued-batch case went untested)."""
     need_vllm()
     import train
     out = {}
     for name, flags in ROUTING_REPLAY_RUNS.items():
         run_dir = os.path.join(box.out, f"routing_replay_{name}")
         r = subprocess.run(launch_command(run_dir, flags, free_port()), capture_output=True, text=True, timeout=900,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+                           cwd=ROOT)
         with open(f"{run_dir}.log", "w") as f:
             f.write(r.stdout + r.stderr)
         if r.returncode != 0:
@@ -820,7 +791,7 @@ def routing_replay(box):
         out[name] = {k: [r[f"rollout/logp_diff_{k}"] for r in rows] for k in ("max", "mean")}
         out[name]["truncated"] = [r["completion/truncated"] for r in rows]
         assert rows[0]["completion/truncated"] == 0, f"{name}: {rows[0]['completion/truncated']:.2%} of step 1's " \
-            f"completions ran to --max_completion_length {REPLAY_MAX_TOKENS} (issue 42's case needs stop tokens)"
+            f"completions ran to --max_completion_length {REPLAY_MAX_TOKENS} (the queued-batch case needs stop tokens)"
     for arch in ("qwen3_vl_moe", "qwen3_5_moe"):
         without, replay = out[arch]["max"][0], out[f"{arch}_replay"]["max"][0]
         assert replay <= without + 0.02, f"{arch}: rollout/logp_diff_max {replay:.3g} replayed, {without:.3g} without"
@@ -895,10 +866,8 @@ TRUNCATIONS = ((0, 0.9), (0, 0.5), (5, 1.0), (5, 0.8), (50, 0.95))
 
 def sampler_agreement(box, llm, model, device, truncations=TRUNCATIONS, n=8, max_tokens=8):
     """vLLM's processed log-prob of each token it sampled under top-k / top-p against the trainer's log-prob of the
-    same token under the same grpo.Sampling record, truncated as the trainer mirrors the sampler (logps - log_kept:
-    grpo._log_kept, a sort and a cumulative sum; vLLM's GPU sampler truncates by a Triton pivot search,
-    vllm/v1/sample/ops/topk_topp_triton.py, its CPU one by a sort as the trainer does) -> per (top_k, top_p) the
-    largest and mean gap and the tokens compared. `model` on `device`, eval."""
+    same token under the same grpo.Sampling record, truncated as the trainer mirrors the sampler (logps - log_kept)
+    -> per (top_k, top_p) the largest and mean gap and the tokens compared. `model` on `device`, eval."""
     import data
     import rollout
     out = {}
@@ -935,15 +904,16 @@ def sampler_case(box, dtype):
 @item
 def sampler_top_k_top_p(box):
     """Top-k and top-p on vLLM's GPU sampler (a Triton pivot search, not the sort grpo._log_kept mirrors): for each
-    truncation of TRUNCATIONS vLLM's processed log-prob of every token it drew against the trainer's truncated log-prob
-    of it (logps - log_kept) at the same weights, fp32 asserted (1e-4, vllm_sleep_levels' bound), bf16 reported.
-    A kept set that differs between the two (a tie or a rounding at the cut) shows as a gap."""
+    truncation of TRUNCATIONS, vLLM's processed log-prob of every token it drew against the trainer's truncated
+    log-prob of it at the same weights, fp32 asserted (1e-4), bf16 reported. A kept set that differs between the two
+    (a tie or a rounding at the cut) shows as a gap."""
     need_vllm()
     out = {}
     for dtype in ("float32", "bfloat16"):
         path = os.path.join(box.out, f"sampler_{dtype}.json")
         r = subprocess.run([sys.executable, __file__, "--sampler_case", dtype, "--out", box.out, "--model", box.model],
-                           capture_output=True, text=True, timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port())))
+                           capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, MASTER_PORT=str(free_port())))
         if r.returncode != 0:
             raise RuntimeError(f"{dtype}: {(r.stdout + r.stderr)[-2000:]}")
         out[dtype] = json.load(open(path))

