@@ -21,7 +21,7 @@ def name_shm_group(env=os.environ):
     init = getattr(cpu_worker.init_worker_distributed_environment, "__wrapped__",
                    cpu_worker.init_worker_distributed_environment)
 
-    # vLLM's worker overwrites VLLM_DIST_IDENT just before it calls this function, and has no argument for it
+    # vLLM's worker sets VLLM_DIST_IDENT just before it calls init_worker_distributed_environment: ours, inside it
     def named(*a, **kw):
         os.environ["VLLM_DIST_IDENT"] = ident
         return init(*a, **kw)
