@@ -48,15 +48,15 @@ def build_parser():
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
     g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"],
-                   help="embedded default only: the synthetic task, a shape's colour, a red square's box, a detail "
+                   help="embedded default only: the synthetic task, a shape's colour, a red square's box, a colour "
                         "only a crop shows (--tools crop), or a video's motion")
     g.add_argument("--tiny_arch", default="qwen2_5_vl",
                    choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"],
                    help="embedded default only: the family of the tiny model (tiny.ARCHS; the _moe ones: 4 experts, "
                         "top-2)")
     g.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"],
-                   help="embedded default only: the model's widths (tiny.SIZES), small to read where a box is, 100m "
-                        "(~100M parameters) to measure memory")
+                   help="embedded default only: the model's widths (tiny.SIZES), small being wide enough to read "
+                        "where a box is and 100m (~100M parameters) for memory measurements")
     g.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
     g.add_argument("--image_root", default=None,
                    help="folder that relative image paths start from; default: the data file's folder")
