@@ -1,21 +1,11 @@
 """Data: samples -> the same downscaled images and video frames for vLLM and for training, and micro-batches.
 
-Accepted sources (`--train_data`, `--val_data`):
-- JSONL, one sample per line: {"image": "a.png" | ["a.png", "b.png"], "question": "...",
-  "solution": "..."}, or "video": "a.mp4" (a list of videos, or one video's frames as a list of images), alone or
-  beside images; image and video paths relative to `--image_root` (default: the JSONL's folder);
-- the VLM-R1 layout: {"image": ..., "conversations": [{"from": "human", "value": "<image>..."},
-  {"from": "gpt", "value": "<answer>"}]}, and R1-V's {"problem", "solution"};
-- a Hugging Face `datasets` directory (save_to_disk) or a parquet file with an image column
-  (decoded images or {"bytes", "path"}), loaded from disk.
-`--columns question=query solution=answer image=img` maps other column names onto ours. A relative image
-or video path may not climb out of `--image_root` (`../`); a link inside it is followed and said (image_path);
-an absolute one is the user's explicit choice. Every
-other field is passed to the reward functions. Anything unusable (a bad line, a missing or
-corrupt image or video, too many of them, a prompt longer than --max_prompt_length) is reported with its
-file and line (or row), counted, and skipped; prompts are never cut. A sample without an image is a
-text-only prompt (mixed freely with image samples; train.py keeps ZeRO-3's vision-tower calls in
-step on every rank). Left out: streaming, videos from URLs or HF datasets' decoded videos.
+Sources (`--train_data`, `--val_data`): JSONL, one sample per line ({"image": "a.png" or a list, "video": "a.mp4",
+"question": "...", "solution": "..."}, or the VLM-R1 and R1-V layouts); a Hugging Face `datasets` folder
+(save_to_disk) or a parquet file with an image column. `--columns question=query` maps other names onto ours. A
+relative path lies under `--image_root` (default: the data file's folder). Every other field reaches the reward
+functions. A bad sample is reported with its file and line, counted and skipped; prompts are never cut. A sample
+without an image is a text-only prompt. docs/data.md has the formats, the checks and what is left out.
 """
 import collections
 import contextlib
@@ -48,16 +38,14 @@ VIDEO_TOKENS = 2048   # --video_total_pixels by default: a video's merged tokens
 
 # ----------------------------------------------------------------------------- images
 def downscale(img, min_pixels, max_pixels, factor):
-    """Resize to the nearest (h, w) on the `factor` grid (model.image_grid: 28 px for Qwen2.5-VL, 32 for
-    Qwen3-VL and Qwen3.5) with min_pixels <= h*w <= max_pixels, as the model's processor would."""
+    """-> img resized to the nearest (h, w) on the `factor`-pixel grid with min_pixels <= h*w <= max_pixels, as the
+    model's processor would."""
     h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
 
 
 def pixel_bounds(args, processor):
-    """-> (min_pixels, max_pixels) of this run: the flags, or by default the processor's own minimum and
-    IMAGE_TOKENS merged tokens on the model's grid. Refused (SystemExit) outside the processor's
-    bounds: it would resize the images again, and vLLM and training would see other pixels."""
+    """-> (min_pixels, max_pixels) of this run: the flags, or the defaults. Exits outside the processor's bounds."""
     size, grid = processor.image_processor.size, image_grid(processor)
     lo = size["shortest_edge"] if args.min_pixels is None else args.min_pixels
     hi = min(IMAGE_TOKENS * grid ** 2, size["longest_edge"]) if args.max_pixels is None else args.max_pixels
@@ -68,8 +56,7 @@ def pixel_bounds(args, processor):
 
 
 def load_image(source, min_pixels, max_pixels, factor, name=None):
-    """Open (open_image) and downscale once onto the model's `factor`-pixel grid. Raises ValueError naming
-    the file (or `name`) for anything unreadable."""
+    """open_image, then downscale once onto the `factor`-pixel grid."""
     im = open_image(source, name, max_pixels)
     out = downscale(im, min_pixels, max_pixels, factor)
     out.info["original_size"] = im.info["original_size"]   # (w, h): box rewards rescale ground truth to out.size
@@ -77,12 +64,9 @@ def load_image(source, min_pixels, max_pixels, factor, name=None):
 
 
 def open_image(source, name=None, max_pixels=None):
-    """Open, fix EXIF orientation and mode (RGBA on white, 16-bit scaled to 8) -> an RGB image at its own size
-    (a JPEG of far more than `max_pixels` decoded at a reduced size), info["original_size"] its upright (w, h).
-
-    source: a path, the encoded bytes, or a PIL image (HF datasets decode images themselves).
-    Raises ValueError naming the file (or `name`) for anything unreadable (missing, corrupt, a
-    decompression bomb past PIL's limit)."""
+    """A path, encoded bytes or a PIL image -> an upright RGB image at its own size, with info["original_size"] its
+    (w, h). Transparency goes on white and 16-bit is scaled to 8; a JPEG far above `max_pixels` decodes at a reduced
+    size. Raises ValueError naming the file (or `name`) for anything unreadable."""
     name = name or str(source)
     try:
         opened = not isinstance(source, Image.Image)
@@ -97,8 +81,8 @@ def open_image(source, name=None, max_pixels=None):
                 scale = {"F": 255.0 if hi <= 1.0 else 1.0 if hi <= 255.0 else None,
                          "I": 1 / 256 if hi > 255 else 1.0}[im.mode] if lo >= 0 and hi <= 65535 else None
                 if scale is None or not math.isfinite(lo + hi):
-                    raise ValueError(f"{im.mode} image with values {lo}..{hi}: no faithful 8-bit conversion (a float image "
-                                     f"must hold 0..1 or 0..255, an int image 0..65535)")
+                    raise ValueError(f"{im.mode} image with values {lo}..{hi}: no faithful 8-bit conversion "
+                                     f"(a float image must hold 0..1 or 0..255, an int image 0..65535)")
                 im = im.point(lambda v: v * scale).convert("L")
             if im.mode in ("I;16", "I;16B", "I;16L"):
                 im = im.point(lambda v: v / 256).convert("L")    # 16-bit -> 8-bit, keep the range
@@ -114,44 +98,37 @@ def open_image(source, name=None, max_pixels=None):
 
 
 # ----------------------------------------------------------------------------- videos
-# A video is decoded with PyAV (FFmpeg's libraries in a wheel: no system ffmpeg), its frames chosen and downscaled
-# once, as qwen-vl-utils chooses them, and the same frames and timestamps go to vLLM and to the training forward:
-# the processor never samples or resizes again (do_sample_frames False; video_kwargs' size leaves them as they are).
+# A video is decoded with PyAV (FFmpeg in a wheel), its frames chosen and downscaled once, as qwen-vl-utils does.
+# The same frames and timestamps go to vLLM and to training: the processor never samples or resizes again.
 VIDEO_SEEK_SECONDS = 4.0   # a chosen frame further ahead than this is reached by a seek, not by decoding every frame
 
 
 def video_bounds(args, grid):
-    """-> (min, max) pixels of one frame and the pixel budget of a whole video: the flags, or by default
-    VIDEO_FRAME_TOKENS and VIDEO_TOKENS merged tokens on the model's grid (qwen-vl-utils' rule: a
-    video's tokens stay within budget / grid^2, however many frames it has)."""
+    """-> (min, max) pixels of one frame and the pixel budget of a whole video: the flags, or the defaults on the
+    model's grid."""
     lo = args.video_min_pixels or VIDEO_FRAME_TOKENS[0] * grid ** 2
     hi = args.video_max_pixels or VIDEO_FRAME_TOKENS[1] * grid ** 2
     return lo, max(lo, hi), args.video_total_pixels or VIDEO_TOKENS * grid ** 2
 
 
 def frame_count(seconds, frames, args, temporal):
-    """How many frames of a video of `seconds` and `frames` frames are shown: --video_fps of them a second, at most
-    --video_max_frames and the video's own, a multiple of the model's temporal patch (2 frames make one token), at
-    least one patch (a one-frame video shows its frame twice)."""
+    """How many frames of a video of `seconds` and `frames` frames are shown: --video_fps a second, at most
+    --video_max_frames and its own, a multiple of the temporal patch and at least one."""
     n = min(round(seconds * args.video_fps), args.video_max_frames, frames)
     return max(temporal, n // temporal * temporal)
 
 
 def frame_size(width, height, n, bounds, factor, temporal):
-    """(w, h) of each of a video's n frames on the model's `factor`-pixel grid: [min, max] pixels a frame and, by
-    qwen-vl-utils' total_pixels rule, the video within its budget (longer videos get smaller frames; the minimum
-    wins over the budget)."""
+    """(w, h) of each of a video's n frames on the `factor`-pixel grid: within [min, max] pixels a frame, and the video
+    within its budget (qwen-vl-utils' total_pixels rule)."""
     lo, hi, total = bounds
     h, w = smart_resize(height, width, factor=factor, min_pixels=lo, max_pixels=max(min(hi, total * temporal // n), lo))
     return w, h
 
 
 def video_kwargs(processor, args):
-    """The video processor's arguments, the same for vLLM (rollout.engine_kwargs) and for training (prepare): no
-    sampling (the frames are chosen here) and a size that leaves every video load_video makes as it is. Qwen2.5-VL's
-    processor bounds each frame; Qwen3-VL's (Qwen3-VL, Qwen3.5) the sum over a video's frames (its smart_resize
-    takes num_frames), which frame_size keeps within the most frames x a frame's most, or the temporal patch x the
-    budget. The bound is also what vLLM profiles and budgets a video for."""
+    """The video processor's arguments, the same for vLLM and for training: no frame sampling, and a size bound that
+    leaves every video load_video makes as it is."""
     from transformers import Qwen3VLVideoProcessor
     vp = processor.video_processor
     lo, hi, total = video_bounds(args, image_grid(processor))
@@ -164,16 +141,15 @@ VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".m
 
 
 def is_frame(item):
-    """Whether an entry of a row's "video" list is a frame (an image file or a decoded image) rather than a video."""
+    """Whether an entry of a row's "video" list is a frame (an image file or image) rather than a video."""
     name = item.get("path") if isinstance(item, dict) else item   # HF's {"bytes", "path"}: by its path
     return isinstance(item, Image.Image) or (isinstance(name, str) and
                                              os.path.splitext(name)[1].lower() in Image.registered_extensions())
 
 
 def video_sources(field, where):
-    """A row's "video" field -> its videos, each a path, encoded bytes, HF's {"bytes", "path"}, or a list of frames:
-    "a.mp4"; ["a.mp4", "b.mp4"] (two videos); ["f0.png", "f1.png", ...] (one video, its frames); [["f0.png", ...],
-    ["g0.png", ...]] (two). Raises ValueError naming the sample for anything else."""
+    """A row's "video" field -> its videos, each a path, encoded bytes, HF's {"bytes", "path"}, or a list of frames. A
+    list of image paths is one video given as its frames. Raises ValueError naming the sample for anything else."""
     if field is None or field == "" or (isinstance(field, (list, tuple)) and not field):
         return []
     items = list(field) if isinstance(field, (list, tuple)) else [field]
@@ -196,11 +172,8 @@ def video_sources(field, where):
 
 
 def vllm_request(sample):
-    """A sample's (or a multi-turn request's) prompt for vLLM: its token ids, its images as PIL images with their
-    content ids (multi_modal_uuids: vLLM keys its processor, encoder and prefix caches on them instead of hashing
-    the pixels again for every request: a multi-turn step sends a prompt's image with each trajectory's every turn),
-    its videos as (frames, metadata) pairs (vLLM 0.32 refuses a video without metadata: "Video metadata is
-    required"; vLLM hashes them itself)."""
+    """A sample's prompt for vLLM: its token ids, its images with their content ids, its videos as (frames, metadata).
+    The ids spare vLLM hashing the same pixels at every turn."""
     media = {"image": sample["images"]} if sample["images"] else {}
     media = {**media, "video": sample["videos"]} if sample.get("videos") else media
     return {"prompt_token_ids": sample["vllm_ids"], **({"multi_modal_data": media} if media else {}),
@@ -210,15 +183,15 @@ def vllm_request(sample):
 # Qwen's own tools block (its Qwen2.5 and Qwen3 templates), for a chat template that shows no tools (prompt)
 HERMES = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
           "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
-          "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+          "return a json object with function name and arguments within <tool_call></tool_call> XML tags:"
+          "\n<tool_call>\n"
           '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 _said = set()
 
 
 def prompt(processor, messages, tools=None):
-    """The prompt text of `messages` by the checkpoint's chat template; with tools (`tools`: their JSON schemas,
-    toolbox.schemas) as the template shows them (`tools=`, as TRL passes them). A template that shows none
-    (Qwen2.5-VL's as shipped) gets Qwen's own tools block (HERMES) at the head of the system message, said once."""
+    """The prompt text of `messages` by the checkpoint's chat template, showing `tools` (their JSON schemas) when
+    given. A template that shows no tools gets Qwen's own tools block (HERMES) in the system message."""
     def render(msgs, **kw):
         return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     if not tools:
@@ -237,20 +210,15 @@ def prompt(processor, messages, tools=None):
 
 
 def content_id(image):
-    """A PIL image's identity for vLLM's caches: a digest of its mode, size and pixels (the same image, the same id,
-    as vLLM's own hash gives; another image, another id). Made once per image, where the image is made."""
+    """A digest of an image's mode, size and pixels: its id for vLLM's caches."""
     return hashlib.blake2b(f"{image.mode} {image.size}".encode() + image.tobytes(), digest_size=16).hexdigest()
 
 
 def load_video(source, args, factor, temporal, name=None):
-    """A video file (a path or its encoded bytes) or a list of frames (image paths or images, taken as --video_fps
-    frames a second) -> (frames (n, h, w, 3) uint8, metadata), its frames chosen (frame_count) and downscaled once
-    (frame_size). metadata is what vLLM 0.32 takes beside the frames (fps, duration, total_num_frames,
-    frames_indices: each chosen frame's place in the original; do_sample_frames False) and what each family's
-    processor reads for time: Qwen2.5-VL's second_per_grid_ts (temporal patch / the chosen frames' rate),
-    Qwen3-VL's timestamps (frames_indices / fps). A file is decoded within bounded memory: only the chosen frames
-    are kept, and one far ahead is reached by a seek. Raises ValueError naming the file for anything unusable
-    (missing, a directory, corrupt or truncated, no decodable frame, a codec this FFmpeg cannot decode)."""
+    """A video file (a path or its bytes) or a list of frames (taken as --video_fps a second) -> (frames (n, h, w, 3)
+    uint8, metadata). The frames are chosen (frame_count) and downscaled once (frame_size). metadata holds fps,
+    duration, total_num_frames and frames_indices, which vLLM and each family's processor read for time. Only the
+    chosen frames are kept in memory. Raises ValueError naming the file for anything unusable."""
     import av
     bounds, name = video_bounds(args, factor), name or str(source)
     if isinstance(source, list):   # frames: only the chosen ones are opened
@@ -296,9 +264,8 @@ def load_video(source, args, factor, temporal, name=None):
 
 
 def decode_frames(container, stream, times, start, fps, size_of):
-    """The frames at `times` (seconds, ascending) of an open PyAV video stream, each downscaled to size_of(width,
-    height) as it is decoded -> (frames (n, h, w, 3) uint8, each one's index in the original). Decodes on from the
-    last frame while the next time is near; seeks to the key frame before it when it is far."""
+    """The frames at `times` (seconds, ascending) of an open PyAV stream, each resized to size_of(w, h) as it is
+    decoded -> (frames (n, h, w, 3) uint8, each one's index in the original). A far frame is reached by a seek."""
     import av
     frames, indices, current, decoder, size, seekable = [], [], None, None, None, True
     for t in times:
@@ -347,10 +314,8 @@ def read_jsonl(path):
 
 
 def sample_id(row, own=True):
-    """A sample's identity, the same wherever its row sits in the source (history keys, docs/resilience.md): its
-    own "id" field when it has one (an int or a string) and `own`, else a hash of its content, every field as the
-    source stores it (image paths, or the bytes of an image it holds). The row number is not one: a shuffled or
-    edited file puts other samples at it."""
+    """A sample's identity: its own "id" field (when `own`), else a hash of its content as the source stores it. Never
+    its row number, which a shuffled or edited file gives to another sample."""
     if own and isinstance(row.get("id"), (int, str)) and not isinstance(row.get("id"), bool):
         return row["id"]
     content = json.dumps({k: v for k, v in row.items() if not k.startswith("_")}, sort_keys=True, default=_hashed)
@@ -358,7 +323,7 @@ def sample_id(row, own=True):
 
 
 def _hashed(value):
-    """What json cannot write, as the hash of its bytes: encoded or decoded images, arrays."""
+    """What json cannot write (images, arrays), as the hash of its bytes."""
     if isinstance(value, Image.Image):
         value = f"{value.mode}{value.size}".encode() + value.tobytes()
     elif isinstance(value, np.ndarray):
@@ -366,7 +331,8 @@ def _hashed(value):
     return hashlib.sha1(value if isinstance(value, bytes) else repr(value).encode()).hexdigest()
 
 
-def file_crc32(path, chunk=4 << 20):   # 4 MiB reads: 3.4 GB/s here, 64 MiB ones 1.2
+def file_crc32(path, chunk=4 << 20):   # 4 MiB blocks: the fastest read measured (docs/data.md)
+    """A file's CRC32, 8 hex digits, read `chunk` bytes at a time."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -375,10 +341,8 @@ def file_crc32(path, chunk=4 << 20):   # 4 MiB reads: 3.4 GB/s here, 64 MiB ones
 
 
 def source_fingerprint(path):
-    """What tells a data source's contents apart, cheaply, for the checkpoint: a file's size and CRC32 (JSONL,
-    parquet); for a `datasets` folder (save_to_disk) its files' sizes and the fingerprints `datasets` writes into
-    state.json (a new one for every transform: shuffle, select, map, ...). An appended, shuffled or edited file
-    gets another; a copy of the same file elsewhere does not (its path is compared as a flag)."""
+    """-> {"size", "crc32"} that tell a data source's contents apart, for the checkpoint. A `datasets` folder: its
+    files' sizes and the fingerprints in its state.json."""
     if not os.path.isdir(path):
         return {"size": os.path.getsize(path), "crc32": file_crc32(path)}
     parts, size = [], 0
@@ -392,10 +356,8 @@ def source_fingerprint(path):
     return {"size": size, "crc32": f"{zlib.crc32(chr(10).join(parts).encode()):08x}"}
 
 
-# The peers' names for our fields, read as ours where the row has no field of ours (normalise): EasyR1's RLHFDataset
-# (verl/utils/dataset.py: prompt_key "prompt", answer_key "answer"; its geometry3k's "problem", with "<image>" where
-# the image goes), TRL's "prompt" (a string; a list of messages is not read), R1-V's "problem", LLaVA-style "img"
-# and "image_path". "answer" is copied (a reward may read it by that name); the others are renamed.
+# The peers' names for our fields (EasyR1, TRL, R1-V, LLaVA), read as ours where the row has none (normalise).
+# "answer" is copied, since a reward may read it by that name; the others are renamed.
 PEER_NAMES = {"problem": "question", "prompt": "question", "answer": "solution", "img": "image", "image_path": "image"}
 
 
@@ -408,7 +370,8 @@ def normalise(row, mapping=None):
             row[ours] = row.pop(theirs)
     if "conversations" in row and "question" not in row:   # VLM-R1 / LLaVA layout
         turns = row.pop("conversations")
-        row["question"] = next(t["value"] for t in turns if t.get("from") in ("human", "user")).replace("<image>", "").strip()
+        asked = next(t["value"] for t in turns if t.get("from") in ("human", "user"))
+        row["question"] = asked.replace("<image>", "").strip()
         row.setdefault("solution", next((t["value"] for t in turns if t.get("from") in ("gpt", "assistant")), None))
     for theirs, ours in PEER_NAMES.items():
         have = row.get(ours) is not None or (ours == "image" and row.get("images") is not None)
@@ -421,9 +384,8 @@ def normalise(row, mapping=None):
 
 
 class Rows:
-    """Random access to the samples of a JSONL, parquet or HF datasets source, normalised to our
-    column names. HF rows are read (and their images decoded) only when asked for. `fingerprint`: the
-    source's (source_fingerprint) and its number of rows, kept in checkpoints."""
+    """Random access to the rows of a JSONL, parquet or HF datasets source, with our field names. HF rows are read (and
+    their images decoded) only when asked for. `fingerprint`: the source's, with its number of rows."""
     def __init__(self, path, columns=(), image_root=None):
         self.path, self.mapping = path, dict(c.split("=", 1) for c in columns)
         self.image_root = image_root or (path if os.path.isdir(path) else os.path.dirname(path))
@@ -455,15 +417,14 @@ class Rows:
         return self.normalised(dict(self.rows[int(i)]), i)[0]
 
     def normalised(self, row, i):
-        """Row i with our field names (normalise), its place and identity. -> (the row, the peers' names read)."""
+        """Row i normalised, with its place and id -> (the row, the names read)."""
         row.setdefault("_where", f"{self.path}[{i}]")
         row["_id"] = sample_id(row, self.own_ids)   # the same on every rank, epoch and launch, wherever the row moves
         row["_image_root"] = self.image_root
         return normalise(row, self.mapping)
 
     def every_row(self):
-        """Each row as normalised() gives it, its images not decoded (an HF dataset's as {"bytes", "path"}, read a
-        thousand rows at a time as arrow): what check_source reads."""
+        """Each row as normalised() gives it, images not decoded; an HF dataset is read as arrow in chunks."""
         if isinstance(self.rows, list):
             yield from (self.normalised(dict(r), i) for i, r in enumerate(self.rows))
             return
@@ -474,13 +435,8 @@ class Rows:
 
 
 def image_path(base, name, kind="image"):
-    """The image (or video, video frame: `kind`) `name` of a sample under its image root `base` (--image_root,
-    default: the data file's folder). A relative path that climbs out of the root (`../../..`) is refused by name, as
-    a bad sample: a data file from elsewhere could otherwise read any file the run can. A link inside the root is
-    followed wherever it leads, and said once per folder it leads from and to (said_link): an image folder linked in
-    (`ln -s /datasets/coco images`) and a Hugging Face snapshot (each file a link into the cache's blobs/) are how
-    data folders are laid out, and a link is made by whoever made the folder, not written by a data file's line.
-    An absolute path is the user's explicit choice."""
+    """The path of `name` (an image, a video or a frame: `kind`) under the image root `base`. A relative path that
+    climbs out of the root raises ValueError: a data file from elsewhere could read any file the run can."""
     if not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] == os.pardir:
         raise ValueError(f"{kind} {name!r} climbs out of the image root {base} (--image_root, default: the data "
                          f"file's folder); give a path inside it, or an absolute path")
@@ -494,8 +450,7 @@ _links_said = set()   # (the folder of a link that leads out of an image root, t
 
 
 def said_link(base, name):
-    """Say, once per (folder of the link, folder of its target), that the relative path `name` under `base` leads out
-    of it through a link (docs/data.md: links are trusted); the first link on the way is the one named."""
+    """Say once per (link's folder, target's folder) that `name` under `base` leads out through a link."""
     root = os.path.realpath(base)
     if os.path.commonpath([root, os.path.realpath(os.path.join(base, name))]) == root:
         return
@@ -513,20 +468,20 @@ def said_link(base, name):
 
 
 def check_row(row, args):
-    """What can be told of a row without opening its images and videos: their fields hold what they should, its
-    solution is a number where it is one, it has every field a chosen reward needs (reward_needs). -> (its images,
-    its videos), the entries of their fields; raises ValueError naming the row (prepare and check_source)."""
+    """The checks of a row that open no file: its image and video fields, a finite solution, every field a chosen
+    reward needs. -> (its images, its videos) as given; raises ValueError naming the row."""
     where = row["_where"]
     images = row.get("image", row.get("images"))
     images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
     for im in images:   # a path, encoded bytes, a decoded image, or HF's {"bytes", "path"}
         if isinstance(im, bool) or not isinstance(im, (str, bytes, dict, Image.Image)):
-            raise ValueError(f"{where}: image field holds {type(im).__name__} {im!r}; expected a path, a list of paths, "
-                             f"or an HF datasets image")
+            raise ValueError(f"{where}: image field holds {type(im).__name__} {im!r}; expected a path, a list of "
+                             f"paths, or an HF datasets image")
         if isinstance(im, dict) and not im.get("bytes") and not im.get("path"):
             raise ValueError(f"{where}: image field holds {im!r}: an HF datasets image with neither bytes nor a path")
         if isinstance(im, str) and "://" in im:
-            raise ValueError(f"{where}: image {im!r} is a URL; URLs are not fetched: download the images, give their paths")
+            raise ValueError(f"{where}: image {im!r} is a URL; URLs are not fetched: download the images, give "
+                             f"their paths")
         if isinstance(im, str) and os.path.splitext(im)[1].lower() in VIDEO_EXTENSIONS:
             raise ValueError(f"{where}: image {im!r} is a video file; give it as the row's \"video\" "
                              f"(with --limit_videos)")
@@ -549,25 +504,24 @@ RUN_COLUMNS = ("image_size", "seen_size", "norm_bbox", "completion_length", "max
 
 
 def reward_needs(names):
-    """{field: [reward names]}: the row fields the named reward functions take without a default (their parameters
-    after `completions`, RUN_COLUMNS left out): a row without one cannot be scored by them."""
+    """{field: [reward names]}: the row fields the named rewards take without a default, RUN_COLUMNS aside."""
     needs = {}
     for name in names:
         for p in list(inspect.signature(reward.REWARDS[name]).parameters.values())[1:]:
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RUN_COLUMNS:
+            if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and p.name not in RUN_COLUMNS):
                 needs.setdefault(p.name, []).append(name)
     return needs
 
 
 def prepare(row, processor, args, tools=None, norm_bbox="none"):
-    """One sample -> the same downscaled images and video frames (with their timestamps) for vLLM and for
-    training. `tools`: {name: JSON schema} of the run's tools (--tools; toolbox.schemas), which the prompt shows
-    (a row's own "tools" field: a part of them, or none). `norm_bbox`: the model family's box convention
-    (model.FAMILIES), kept on the sample for the tools and as a column for the rewards. Raises ValueError naming
-    the sample for anything that cannot be trained on."""
+    """One row -> a prepared sample: the same downscaled images and video frames for vLLM and for training, the
+    prompt's token ids for both, the reward columns. `tools`: {name: JSON schema} of --tools; `norm_bbox`: the model
+    family's box convention. Raises ValueError naming the sample for anything that cannot be trained on."""
     tools = tools or {}
     if set(getattr(args, "tools", None) or []) - set(tools):
-        raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: tools=toolbox.schemas(args.tools)")
+        raise TypeError(f"data.prepare: --tools {' '.join(args.tools)} need their schemas: "
+                        f"tools=toolbox.schemas(args.tools)")
     where = row["_where"]
     images, videos = check_row(row, args)
     if len(images) > args.limit_images:
@@ -635,8 +589,10 @@ def prepare(row, processor, args, tools=None, norm_bbox="none"):
     # videos: each (frames, metadata) as vLLM takes it (vllm_request); sources and pixel_bounds: what a tool
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
     return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
-                columns=columns, where=where, id=row.get("_id"), empty_image=empty, sources=[source(im) for im in images],
-                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names, norm_bbox=norm_bbox)
+                columns=columns, where=where, id=row.get("_id"), empty_image=empty,
+                sources=[source(im) for im in images],
+                pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names,
+                norm_bbox=norm_bbox)
 
 
 # ----------------------------------------------------------------------------- the data checked before the launch
@@ -644,8 +600,7 @@ KNOWN_FIELDS = {"image", "images", "video", "videos", "question", "solution", "i
 
 
 def missing_file(row, images, videos):
-    """-> (reason, the file) for the first image or video file of a row that is not there, else None. A path that
-    climbs out of the image root raises ValueError (image_path)."""
+    """-> (reason, path) of a row's first image or video file that is not there, else None."""
     base = row.get("_image_root") or os.path.dirname(row["_where"].rsplit(":", 1)[0])
     paths = [("image", im if isinstance(im, str) else im.get("path")) for im in images
              if isinstance(im, str) or (isinstance(im, dict) and not im.get("bytes"))]
@@ -660,12 +615,9 @@ def missing_file(row, images, videos):
 
 
 def check_source(path, args, flag="--train_data"):
-    """Rank 0, before anything heavy (startup.check_data, --check_data, --plan): read every row of a source and check
-    what can be told without decoding an image or a video (check_row, the files there, the fields
-    --question_template takes, a row's own tools, --limit_images / --limit_videos where the launch set them). ->
-    the verdict, a dict every rank acts on alike: "lines" to print (the rows, a repeated reason once with its
-    count, the peers' field names read as ours, the fields nothing reads), "error" (no usable row) or None, the
-    most "images" and "videos" a usable row holds, "rows", "usable"."""
+    """Rank 0, before anything heavy: check every row of a source without decoding an image or a video (check_row, the
+    files, the template's fields, a row's tools, the limits the launch set). -> the verdict every rank acts on: "lines"
+    to print, "error" or None, the most "images" and "videos" a usable row holds, "rows", "usable"."""
     t0 = time.perf_counter()
     try:
         rows = Rows(path, args.columns, args.image_root)
@@ -682,7 +634,8 @@ def check_source(path, args, flag="--train_data"):
         where = row["_where"]
         try:
             images, videos = check_row(row, args)
-            for kind, count, limit in (("images", len(images), "limit_images"), ("video(s)", len(videos), "limit_videos")):
+            for kind, count, limit in (("images", len(images), "limit_images"),
+                                       ("video(s)", len(videos), "limit_videos")):
                 if limit in given and count > getattr(args, limit):
                     raise ValueError(f"{where}: {count} {kind} > --{limit} {getattr(args, limit)}")
             names = row.get("tools", list(args.tools))
@@ -710,23 +663,22 @@ def check_source(path, args, flag="--train_data"):
         lines.append(f"[data] {path}: the peers' field names read as ours: " + ", ".join(
             f'"{theirs}" as "{ours}" ({c} rows)' for (theirs, ours), c in peers.most_common()))
     if unknown:
-        lines.append(f"[data] {path}: fields no part of this run reads (they reach the rewards as columns): " + ", ".join(
-            f'"{k}" ({c} rows)' for k, c in unknown.most_common()))
+        lines.append(f"[data] {path}: fields no part of this run reads (they reach the rewards as columns): "
+                     + ", ".join(f'"{k}" ({c} rows)' for k, c in unknown.most_common()))
     error = None if usable else (f"error: {flag} {path} has no usable sample: all {n} of its samples were skipped, for "
                                  f"the reasons above")
     return dict(lines=lines, error=error, images=most[0], videos=most[1], rows=n, usable=usable)
 
 
 def data_limits(args, images, videos, tool_images=0):
-    """--limit_images and --limit_videos from the data where the launch did not set them (args.explicit): the most
-    images (at least one) and videos a usable row holds (check_source), and `tool_images` more (toolbox.image_limit:
-    with a tool that returns images, one a turn after a call), so that every image a tool returns can be shown
-    (toolbox.answer refuses one past the limit). Changes args. -> the line that says what was set, or None."""
+    """Set --limit_images and --limit_videos where the launch did not: the most a usable row holds, plus `tool_images`.
+    -> the line saying what was set, or None."""
     given, said = set(getattr(args, "explicit", ())), []
     if "limit_images" not in given:
         args.limit_images = max(images, 1) + tool_images
         said.append(f"--limit_images {args.limit_images} (the most images in a row: {images}"
-                    + (f", and one a turn after a tool call: --max_turns {args.max_turns} - 1" if tool_images else "") + ")")
+                    + (f", and one a turn after a tool call: --max_turns {args.max_turns} - 1" if tool_images else "")
+                    + ")")
     if "limit_videos" not in given:
         args.limit_videos = videos
         said.append(f"--limit_videos {videos} (the most videos in a row)")
@@ -734,13 +686,10 @@ def data_limits(args, images, videos, tool_images=0):
 
 
 class PromptStream:
-    """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded
-    permutation, rank r reads every world-th entry. Bad samples are reported, counted, skipped.
-    `history` maps a sample's id (sample_id: its own "id" field or a hash of its content, never its row) to
-    its group's rewards the last time it was rolled out, on any rank (train.score keeps it; a curriculum in
-    train.select_prompts reads it); it is checkpointed with the position. `consumed`: {epoch: rows} that the
-    ranks of an earlier launch with another number of ranks took in an epoch this one has not finished
-    (regroup): skipped, so that no row comes twice in that epoch. `source`: the source's fingerprint."""
+    """This rank's endless, reproducible stream of prepared samples: epoch e is a seeded permutation of the rows, of
+    which rank r reads every world-th. Bad samples are reported, counted and skipped. `history`: a sample's id -> its
+    group's rewards the last time it was rolled out, which a curriculum reads. `consumed`: {epoch: rows} that a launch
+    with another number of ranks took (regroup). `source`: the source's fingerprint."""
     def __init__(self, rows, processor, args, rank, world, tools=None, norm_bbox="none"):
         self.rows, self.processor, self.args, self.rank, self.world = rows, processor, args, rank, world
         self.tools, self.norm_bbox = tools, norm_bbox   # {name: JSON schema} of --tools, the box convention (prepare)
@@ -749,29 +698,28 @@ class PromptStream:
         self.said = {}   # a skip's reason -> how often it came (said once)
 
     def state(self):
+        """The position and history a checkpoint saves."""
         return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "history": self.history,
                 "empty_images": self.empty_images, "consumed": {e: sorted(r) for e, r in self.consumed.items()},
                 "history_by": "sample_id"}
 
     def load(self, st):
+        """Go on from a saved state()."""
         self.epoch, self.cursor, self.skipped = st["epoch"], st["cursor"], st["skipped"]
         self.history, self.empty_images = self.history_of(st), st.get("empty_images", 0)
         self.consumed = {e: set(r) for e, r in st.get("consumed", {}).items()}
 
     def history_of(self, st):
-        """A saved state's history by sample id. One saved when it was keyed by row number has its rows' ids now
-        (right when the data did not change, which the checkpoints of then could not tell)."""
+        """A saved state's history, keyed by sample id."""
         if st.get("history_by") == "sample_id":
             return dict(st.get("history", {}))
+        # an older checkpoint keyed it by row number
         return {self.rows[k]["_id"]: v for k, v in st.get("history", {}).items()
                 if isinstance(k, int) and 0 <= k < len(self.rows)}
 
     def regroup(self, states):
-        """Go on from the positions of `states`, saved by every rank of a launch with another number of ranks
-        (rank order): this epoch goes on through its same permutation, now dealt to this launch's ranks, and
-        skips the rows that the saved ranks already took in it (consumed_rows); the next epoch is as usual.
-        The rewards history is every rank's (they hold the same), and the skipped and empty-image counts, which
-        the logs sum over ranks, go to rank 0 whole."""
+        """Go on from every rank's `states` of a launch with another number of ranks: this epoch skips the rows they
+        took (consumed_rows)."""
         self.consumed = consumed_rows(states, len(self.rows), self.args.seed)
         self.epoch, self.cursor = min(self.consumed), 0
         self.history = {k: v for st in states for k, v in self.history_of(st).items()}
@@ -780,14 +728,15 @@ class PromptStream:
         self.empty_images = sum(st.get("empty_images", 0) for st in states) if first else 0
 
     def restart(self):
-        """The data changed under a checkpoint (--accept_changed_data): its position points into a shuffle of
-        rows that are not there any more; a new epoch starts, a fresh permutation of the rows as they are now."""
+        """A fresh epoch on the rows as they are now, for data changed under the checkpoint."""
         self.epoch, self.cursor, self.consumed = max([self.epoch, *self.consumed]) + 1, 0, {}
 
     def next(self, n):
+        """The next `n` prepared samples of this rank; bad rows are skipped and counted."""
         out = []
         while len(out) < n:
-            order = np.random.default_rng(self.args.seed + self.epoch).permutation(len(self.rows))[self.rank::self.world]
+            shuffled = np.random.default_rng(self.args.seed + self.epoch).permutation(len(self.rows))
+            order = shuffled[self.rank::self.world]
             if self.cursor >= len(order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self.consumed = {e: r for e, r in self.consumed.items() if e >= self.epoch}
@@ -818,10 +767,8 @@ class PromptStream:
 
 
 def consumed_rows(states, n, seed):
-    """{epoch: set of rows} that the ranks of `states` (each one's saved data position, in rank order; a launch of
-    len(states) ranks over `n` rows) took in each epoch from the earliest one a rank is still in: a rank in epoch
-    e took the first `cursor` entries of its share of e's permutation (every world-th entry from its rank), and all
-    of its share of an earlier epoch; rows an earlier regroup marked taken (their "consumed") are taken still."""
+    """{epoch: set of rows} that the ranks of `states` (rank order, `n` rows) took, from the earliest epoch a rank is
+    in, earlier regroups' marks included."""
     world, first = len(states), min(st["epoch"] for st in states)
     taken = {first: set()}
     for r, st in enumerate(states):
@@ -835,8 +782,8 @@ def consumed_rows(states, n, seed):
 
 
 def validation_samples(args, processor, rank, world, tools=None, norm_bbox="none"):
-    """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. A
-    file of which no rank keeps a sample is refused at start (check_validation), on every rank alike."""
+    """This rank's share of --val_data (every world-th row), prepared once; bad rows skipped by name. Exits on every
+    rank when no rank kept a sample (check_validation)."""
     rows, out, skipped = Rows(args.val_data, args.columns, args.image_root), [], []
     for i in range(rank, len(rows), world):
         try:
@@ -854,8 +801,7 @@ def validation_samples(args, processor, rank, world, tools=None, norm_bbox="none
 
 
 def check_validation(path, shares):
-    """shares: (samples kept, samples skipped, the first (row, reason) skipped) of each rank. Refuse (SystemExit)
-    a validation source without one usable sample: its val/reward would be a mean over nothing, every time."""
+    """shares: each rank's (kept, skipped, first skipped). Exits when no rank kept a sample."""
     if sum(kept for kept, _, _ in shares) > 0:
         return
     n = sum(k for _, k, _ in shares)
@@ -870,10 +816,9 @@ def reward_columns(samples):
 
 
 def completion_tokens(c, banned, pad_id, mm=None, mask=None):
-    """One completion's tokens as the training forward takes them -> (input ids, loss mask, mm_token_type_ids),
-    each (n,). A token the model wrote that is a banned control token (never sampled: vLLM's logit_bias) is out
-    of the input and the loss; `mask` (multi-turn: 0 at the template's and the tools' tokens) keeps those as
-    they are, out of the loss; `mm`: a trajectory's tool images (their mm_token_type_ids mark their tokens)."""
+    """One completion's tokens -> (input ids, loss mask, mm_token_type_ids), each (n,). A banned token the model wrote
+    becomes a pad, out of the loss. `mask` (multi-turn) is 0 at the template's and the tools' tokens; `mm`: the
+    trajectory's tool images."""
     c = torch.tensor(c, dtype=torch.long)
     own = torch.ones(len(c), dtype=torch.bool) if mask is None else torch.tensor(mask, dtype=torch.bool)
     ok = ~torch.isin(c, torch.tensor(sorted(banned), dtype=torch.long)) | ~own
@@ -882,14 +827,9 @@ def completion_tokens(c, banned, pad_id, mm=None, mask=None):
 
 
 def collate(samples, completions, pad_id, banned, masks=None, mms=None):
-    """Left-pad each prompt + completion to the longest -> one micro-batch for the training forward.
-
-    completions[i] (list of token ids) belongs to samples[i]; masks[i] and mms[i] (multi-turn, else None): which of
-    its tokens the model wrote, and its tool images (completion_tokens). Returns tensors with input_ids (B, T),
-    attention_mask (B, T), completion_mask (B, C): T the longest prompt + completion (not the longest
-    prompt + the longest completion: length-sorted micro-batches pad little), C the longest completion.
-    A row's completion fills its last len(completion) positions: every (B, C) tensor of the step
-    (completion_mask, the sampler's and the trainer's log-probs) is right-aligned with input_ids[:, -C:]."""
+    """Left-pad each prompt + completion to the longest -> a micro-batch: input_ids, attention_mask, mm_token_type_ids
+    (B, T), completion_mask (B, C) right-aligned with input_ids[:, -C:], and the images. masks[i], mms[i]: as
+    completion_tokens takes them."""
     masks, mms = masks or [None] * len(samples), mms or [None] * len(samples)
     C = max(max(len(c) for c in completions), 1)
     T = max(s["hf"]["input_ids"].shape[1] + len(c) for s, c in zip(samples, completions))
@@ -912,9 +852,8 @@ VISUAL_INPUTS = {"pixel_values": ("pixel_values", "image_grid_thw"),
 
 
 def images_of(rows):
-    """The images and videos of a micro-batch, each kind in the order its tokens come (each row: the prompt's, then
-    its trajectories' tool images), as the model's inputs (pixel_values, image_grid_thw; pixel_values_videos,
-    video_grid_thw and, Qwen2.5-VL, second_per_grid_ts); {} for text only."""
+    """The images and videos of a micro-batch as the model's inputs (pixel_values, image_grid_thw, and the video keys),
+    each kind in token order; {} for text only. rows: each row's processor outputs, None where it has none."""
     out = {}
     for first, keys in VISUAL_INPUTS.items():
         found = [part for row in rows for part in row if part and first in part]
@@ -923,18 +862,11 @@ def images_of(rows):
 
 
 def collate_prefix(parts, pad_id, banned):
-    """Shared-prefix micro-batch (--shared_prefix): each part, (sample, [completion ids, ...]) of one group (and,
-    multi-turn, the completions' masks and tool images, as collate takes them), is one row, its prompt (text and
-    image) once and then its completions one after another, left-padded to the longest row. -> the tensors of
-    collate, laid out for model.logps_forward's shared-prefix path: input_ids, mm_token_type_ids (R, T);
-    attention_mask (R, 1, T, T) bool: a prompt token sees the prompt before it, a completion token the whole
-    prompt and its own completion before it, never another completion (a pad token sees itself alone: no row of
-    the mask is empty); prompt_mask (R, T): the prompt tokens (their rotary positions are the prompt's own, a
-    completion's continue after them, as in separate sequences); offset (R, T): a completion token's place in it,
-    from 1; part (R, T): which completion of the row a token is in, from 1 (0: the prompt, a pad); and per
-    completion, N in all: completion_mask (N, C) right-aligned as collate's, targets (N, C) and the flat index
-    (N, C) of the hidden state that predicts each target. Images come in token order: each row's prompt's, then
-    its completions' tool images."""
+    """Shared-prefix micro-batch (--shared_prefix): one row per group, its prompt once and then its completions,
+    left-padded to the longest row. parts: (sample, [completion ids, ...]), and multi-turn the masks and tool images as
+    collate takes them. -> for R rows and N completions: input_ids, mm_token_type_ids, prompt_mask, offset, part
+    (R, T); attention_mask (R, 1, T, T) bool; completion_mask, targets, index (N, C), right-aligned as in collate; the
+    images in token order. docs/data.md describes each."""
     parts = [(s, cs, *(rest or [[None] * len(cs)] * 2)) for s, cs, *rest in parts]
     comps = [c for _, cs, _, _ in parts for c in cs]
     C = max(max(len(c) for c in comps), 1)
@@ -945,7 +877,9 @@ def collate_prefix(parts, pad_id, banned):
     prompt = torch.zeros((R, T), dtype=torch.bool)
     offset, part = torch.zeros((R, T), dtype=torch.long), torch.zeros((R, T), dtype=torch.long)
     attn = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1, 1)                   # (R, 1, T, T)
-    cmask, targets, index = torch.zeros((N, C)), torch.full((N, C), pad_id, dtype=torch.long), torch.zeros((N, C), dtype=torch.long)
+    cmask = torch.zeros((N, C))
+    targets = torch.full((N, C), pad_id, dtype=torch.long)
+    index = torch.zeros((N, C), dtype=torch.long)
     n = 0
     for r, ((s, cs, masks, mms), L) in enumerate(zip(parts, lengths)):
         start, P = T - L, s["hf"]["input_ids"].shape[1]

@@ -1,29 +1,19 @@
-"""Tools the policy may call during a rollout (`--tools crop`, several turns: train.py's rollout_groups).
+"""Tools the policy may call during a rollout (`--tools crop`), over several turns (rollout).
 
-A tool is a plain function and one line in TOOLS, like a reward in reward.py (or, in a file of your own, a line of
-its TOOLS: --plugins, flags.load_plugins, docs/plugins.md). Its first parameter, `sample`,
-is the prepared sample its trajectory belongs to (data.prepare: its images, the originals they came from, its
-fields), given by the rollout; the others are what the model passes, with type hints and a Google-style
-docstring, from which transformers' get_json_schema makes the schema the chat template shows (`schemas`). It
-returns text, an image (PIL), or a list of both; an image takes the path of every image (data.load_image: downscaled
-to --max_pixels on the model's grid), so that what a tool returns is what the planner counts. A tool annotated to
-return text alone (`-> str`) adds no images; any other may, and --limit_images is derived to let each turn show one
-(image_limit). Whatever goes wrong becomes a tool message that says so, counted, never a crash (`run_call`), in two
-kinds: the model's mistake (BAD_CALL: a malformed call, deep nesting or huge numbers included, an unknown tool,
-arguments that do not bind or are not of their type hints' types, a ValueError the tool raises to refuse the call,
-as the crop refuses a box outside the image: tools/bad_call_frac) and the tool's own failure (TOOL_ERROR: any other
-exception, whose traceback is printed once per distinct error, a call past TOOL_TIME_S, a result that is no text
-or image: tools/tool_error_frac). A turn's calls run at once, each on a daemon thread: their time-outs overlap, and
-a call that never returns is left running without holding the process at its exit; at most STUCK_MAX of them at a
-time, past which a call is answered without running. The calls follow Qwen's (Hermes) format, which the Qwen chat
-templates teach:
+A tool is a plain function and one line in TOOLS, like a reward in reward.py (or a line in a plugin file's TOOLS,
+docs/plugins.md). Its first parameter, `sample`, is the prepared sample of its trajectory (data.prepare); the others
+are what the model passes, and their type hints and Google-style docstring make the schema the chat template shows
+(schemas). It returns text, a PIL image, or a list of both; an image takes the path of every image (data.load_image),
+so what a tool returns is what the planner counts. Whatever goes wrong becomes a tool message that says so, counted,
+never a crash: the model's mistake (BAD_CALL) or the tool's own failure (TOOL_ERROR). Calls follow Qwen's (Hermes)
+format, which the Qwen chat templates teach:
 
     <tool_call>
     {"name": "crop", "arguments": {"x1": 10, "y1": 10, "x2": 40, "y2": 40}}
     </tool_call>
 
-Left out: parallel calls in one turn (the first call of a turn runs), tools that keep state between calls,
-tools that run code or reach the network.
+docs/tools.md has the loop, the failure kinds, the threads and the memory. Left out: parallel calls in one turn (the
+first call of a turn runs), tools that keep state between calls, tools that run code or reach the network.
 """
 import functools
 import inspect
@@ -45,16 +35,13 @@ TOOL_TIME_S = 10.0    # a call that takes longer is answered with a message; its
 STUCK_MAX = 8         # calls past their time still running at once, at most: past it a call is answered unrun
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_TEXT_CHARS = 300  # a tool's text (or error) is cut here: the trajectory's token budget is the model's
-# An image a tool returns larger than PIL's own bound on a decoded image (its decompression-bomb error, 179 MP at 3
-# bytes a pixel: 0.5 GB, which PIL would not open from a file) is refused, not downscaled.
+# A tool's image past PIL's own bound on a decoded image (its decompression-bomb limit) is refused, not downscaled.
 MAX_TOOL_IMAGE_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
-BAD_CALL, TOOL_ERROR, IMAGE_LIMIT = "call", "tool", "limit"   # why a call failed: the model's, the tool's, the limit's
+BAD_CALL, TOOL_ERROR, IMAGE_LIMIT = "call", "tool", "limit"   # why a call failed: the model, the tool, the limit
 
 
 def opened(source):
-    """data.open_image, kept for the few sources (paths, bytes) last opened: a turn's calls come a sample's
-    trajectories at a time, and each decoded the same original again (0.09 s of a 0.32 s step in make bench's
-    multi-turn rollout). A PIL image (HF datasets decode them) is decoded already, and unhashable."""
+    """data.open_image, cached for the last few paths or bytes: a turn's calls on one sample open the same original."""
     return _opened(source) if isinstance(source, (str, bytes, os.PathLike)) else data.open_image(source)
 
 
@@ -101,18 +88,18 @@ MARK = "<<the model's turn>>"
 
 
 def response(processor, parts):
-    """The template's text between a model turn that ended in a tool call and the model's next turn: the end of
-    its turn, the tool message holding `parts` (text and PIL images, in order), the next turn's header."""
+    """The template's text after a model turn that called a tool: its end, the tool message of `parts` (text and PIL
+    images), the next turn's header."""
     content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MARK}, {"role": "tool", "content": content}]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MARK},
+            {"role": "tool", "content": content}]
     text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return text[text.index(MARK) + len(MARK):]
 
 
 def schemas(names, norm_bbox="none"):
-    """{name: JSON schema} of the named tools as the chat template takes them (`tools=`; data.prepare shows them):
-    transformers' get_json_schema of each function as the model calls it, its first parameter (`sample`) left out.
-    `norm_bbox`: the model family's box convention (model.FAMILIES); a docstring's BOX_UNITS["none"] says it."""
+    """{name: JSON schema} of the named tools for the chat template: get_json_schema of each without `sample`, the box
+    units in the family's `norm_bbox` convention (BOX_UNITS)."""
     from transformers.utils import get_json_schema
     out = {}
     for name in names:
@@ -129,31 +116,25 @@ def schemas(names, norm_bbox="none"):
 
 
 def response_tokens(max_pixels, grid=28):
-    """The most tokens one tool message can take: a crop's image of at most `max_pixels` on the model's `grid`
-    (28 px per token at the finest), its text cut at MAX_TEXT_CHARS (a character a token at worst), and the
-    template's own tokens."""
+    """The most tokens one tool message takes: an image of `max_pixels` on the `grid`, MAX_TEXT_CHARS of text (a token
+    a character at worst), the template's own."""
     return max_pixels // grid ** 2 + MAX_TEXT_CHARS + 64
 
 
 def trajectory_tokens(args, max_pixels, grid=28):
-    """The most tool-message tokens one trajectory holds beside the model's own: a message after each turn but the
-    last (--max_turns); 0 without --tools. vLLM's context and KV budget and the planner count them."""
+    """The most tool-message tokens one trajectory holds, one message a turn but the last; 0 without --tools."""
     return (args.max_turns - 1) * response_tokens(max_pixels, grid) if getattr(args, "tools", None) else 0
 
 
 def processor_cache_gb(args, prompts, max_pixels):
-    """vLLM's processor cache (GB of host RAM) for an engine that generates for `prompts` prompts a step: with --tools
-    every turn sends each trajectory's prompt images again, and a cache of one step's of them, processed (at most
-    max_pixels each, 24 bytes a pixel: Qwen's fp32 pixel values, 3 channels x 2 frames of a still image, and
-    --limit_images a prompt), leaves the HF processor the new tool images alone. 0 without tools: each prompt's
-    image is processed once a step, and a cache would only grow host RAM."""
+    """GB of host RAM for vLLM's processor cache, sized for one step's prompt images (24 bytes a pixel); 0 without
+    --tools. With tools every turn sends each trajectory's prompt images again."""
     return prompts * args.limit_images * max_pixels * 24 / 2 ** 30 if getattr(args, "tools", None) else 0
 
 
 def image_limit(args, prompt_images=1):
-    """The images one request may hold (--limit_images when not given; vLLM's limit_mm_per_prompt and the planner
-    read it): a prompt's `prompt_images`, and with a tool that may return images (returns_images) one for each turn
-    after a call (--max_turns - 1), so that no turn's image is refused for the limit."""
+    """The images one request may hold: the prompt's `prompt_images`, plus --max_turns - 1 when a tool may return
+    images (one for each turn after a call)."""
     return prompt_images + (args.max_turns - 1 if any(map(returns_images, getattr(args, "tools", None) or [])) else 0)
 
 
@@ -163,8 +144,7 @@ def returns_images(name):
 
 
 def started_line(args, trajectories):
-    """What rank 0 says at start about --tools: the image limit and where it came from, the images and the host
-    memory the tools' images may take on a rank in a step (`trajectories` a rank rolls out), the time a call gets."""
+    """Rank 0's line at start about --tools: the image limit, the tool images' host RAM, a call's time."""
     images = image_limit(args, 0)
     given = "given" if "limit_images" in getattr(args, "explicit", ()) else \
         f"derived: a prompt's image and one for each turn after a call, --max_turns {args.max_turns} - 1"
@@ -176,15 +156,14 @@ def started_line(args, trajectories):
 
 
 def tool_images_gb(args, trajectories, max_pixels):
-    """Host RAM (GB) that a step's tool images may take on a rank rolling out `trajectories`: each trajectory's
-    (--max_turns - 1) images of at most max_pixels, as PIL holds them (3 bytes a pixel) and as the processor's fp32
-    pixel values for the training forward (24: 3 channels x 2 frames of a still image); 0 without --tools."""
+    """Host RAM (GB) that a step's tool images may take on a rank rolling out `trajectories`: --max_turns - 1 images
+    each, of `max_pixels`, at 3 bytes a pixel as PIL holds them and 24 as the processor's. 0 without --tools."""
     return trajectories * (args.max_turns - 1) * max_pixels * 27 / 2 ** 30 if getattr(args, "tools", None) else 0
 
 
 def parse_call(text):
-    """The first tool call of a turn's text -> (name, arguments); ValueError saying what is wrong with it, whatever
-    the text (nesting deeper than Python's stack, an integer of more digits than it converts)."""
+    """The first tool call in a turn's text -> (name, arguments). ValueError saying what is wrong, whatever the
+    text."""
     found = CALL.search(text)
     if not found:
         raise ValueError("no <tool_call>...</tool_call> in the turn")
@@ -196,7 +175,8 @@ def parse_call(text):
         raise ValueError("the call is not JSON that can be read: nested too deep") from None
     except ValueError:   # Python's int conversion limit (4300 digits)
         raise ValueError("the call is not JSON that can be read: a number has too many digits") from None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+    if (not isinstance(call, dict) or not isinstance(call.get("name"), str)
+            or not isinstance(call.get("arguments", {}), dict)):
         raise ValueError('the call must be {"name": <tool name>, "arguments": {...}}')
     return call["name"], call.get("arguments", {})
 
@@ -206,10 +186,9 @@ JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
 
 
 def checked_arguments(name, fn, sample, arguments):
-    """The call's arguments bound to the tool's parameters and held to their type hints (int, float, str, bool) ->
-    the arguments the tool gets (an integral number for an int: an int). A value of another type, an integer past
-    64 bits or a number that is not finite is the model's mistake: ValueError, saying which; never repr'd (it may
-    nest deeper than the stack)."""
+    """The call's arguments bound to the tool's parameters and held to their type hints -> what the tool gets (an
+    integral float for an int becomes an int). ValueError for a wrong type, an integer past 64 bits or a number that is
+    not finite."""
     try:
         params = inspect.signature(fn).bind(sample, **arguments).signature.parameters
     except TypeError as e:
@@ -224,7 +203,7 @@ def checked_arguments(name, fn, sample, arguments):
         ok = {bool: isinstance(value, bool), str: isinstance(value, str),
               int: number and isinstance(value, int) and abs(value) < 2 ** 63,
               float: number and abs(value) < 2 ** 63 and math.isfinite(value)}.get(want, True)
-        if not ok:
+        if not ok:   # the value is not shown: it may nest deeper than the stack
             raise ValueError(f"bad arguments for {name}: {key} must be {JSON_TYPES[want]}" +
                              (" between -2^63 and 2^63" if number else f", not {JSON_TYPES.get(type(value), 'that')}"))
         out[key] = value
@@ -232,13 +211,12 @@ def checked_arguments(name, fn, sample, arguments):
 
 
 def clean(text):
-    """Text a tool message may hold: cut at MAX_TEXT_CHARS, and what is no UTF-8 (a lone surrogate that JSON's
-    \\ud800 escapes make) replaced, which the tokenizer would refuse."""
+    """Text a tool message may hold: cut at MAX_TEXT_CHARS, what is no UTF-8 (a lone surrogate) replaced."""
     return text[:MAX_TEXT_CHARS].encode("utf-8", "replace").decode("utf-8")
 
 
 def said(e):
-    """str(e) of an exception, which a tool's own class may fail to give."""
+    """str(e), which a tool's exception may fail to give."""
     try:
         return str(e)
     except Exception:
@@ -251,6 +229,7 @@ _told = set()   # what was said once: each distinct tool exception's traceback, 
 
 
 def say_once(key, text):
+    """Print `text` once per `key`, whichever thread asks first."""
     with _lock:
         if key in _told:
             return
@@ -259,11 +238,8 @@ def say_once(key, text):
 
 
 def start_call(text, sample, names, time_s=None):
-    """Parse and check the tool call in a turn's text for `sample` (allowed tools `names`) and start it on a daemon
-    thread of its own -> the call, for finish_call. What the model wrote is answered at once when it cannot run
-    (BAD_CALL), and so is a call while STUCK_MAX earlier ones still run past their time (TOOL_ERROR). A daemon
-    thread is never joined at the interpreter's exit, as a ThreadPoolExecutor's workers are: a tool that never
-    returns cannot keep a run that printed [done] or exit 75 alive."""
+    """Parse and check the call in a turn's text (allowed tools `names`) and start it on a daemon thread -> the call,
+    for finish_call. A bad call, or one past STUCK_MAX stuck calls, is answered at once."""
     time_s = TOOL_TIME_S if time_s is None else time_s
     try:
         name, arguments = parse_call(text)
@@ -279,11 +255,14 @@ def start_call(text, sample, names, time_s=None):
     if stuck >= STUCK_MAX:
         return dict(answer=failure(f"{name} was not run: {stuck} earlier tool calls still run past their time",
                                    TOOL_ERROR))
-    threading.Thread(target=_run, args=(call, TOOLS[name], sample, arguments), name=f"tool-{name}", daemon=True).start()
+    # a daemon thread is never joined at exit: a tool that never returns cannot keep the process alive
+    threading.Thread(target=_run, args=(call, TOOLS[name], sample, arguments), name=f"tool-{name}",
+                     daemon=True).start()
     return call
 
 
 def _run(call, fn, sample, arguments):
+    """Run the tool on its thread; its result or exception goes into `call`."""
     try:
         call["out"] = fn(sample, **arguments)
     except BaseException as e:   # the tool's own failure: told to the model, counted, its traceback printed once
@@ -295,9 +274,8 @@ def _run(call, fn, sample, arguments):
 
 
 def finish_call(call, deadline):
-    """-> (result, error, kind) of a started call (start_call) once it ends or at `deadline` (time.monotonic()):
-    result a list of text and PIL images (the tool message's content), error a short reason when the call failed
-    (the result then says it to the model) and kind why (BAD_CALL, TOOL_ERROR), else None and None."""
+    """-> (result, error, kind) of a started call once it ends or at `deadline` (time.monotonic()): result the tool
+    message's content (text and PIL images), error a short reason or None, kind BAD_CALL, TOOL_ERROR or None."""
     if "answer" in call:
         return call["answer"]
     name = call["name"]
@@ -330,6 +308,7 @@ def finish_call(call, deadline):
 
 
 def result_parts(name, out):
+    """A tool's output -> a list of text and PIL images; ValueError otherwise."""
     parts = out if isinstance(out, list) else [out]
     wrong = [type(p).__name__ for p in parts if not isinstance(p, (str, Image.Image))]
     if wrong or not parts:
@@ -339,10 +318,7 @@ def result_parts(name, out):
 
 
 def tool_image(image, sample, name):
-    """An image a tool returned, on the path of every image (data.load_image: orientation and mode fixed, downscaled
-    onto the model's grid within --min_pixels / --max_pixels): what vLLM, the training forward and the planner
-    (response_tokens) get. One past MAX_TOOL_IMAGE_PIXELS is refused; an upright RGB image, whose mode and
-    orientation need no fixing, is downscaled at once, without the two whole copies open_image's steps make."""
+    """A tool's image, downscaled as any image is (data.load_image). Refused past MAX_TOOL_IMAGE_PIXELS."""
     if image.width * image.height > MAX_TOOL_IMAGE_PIXELS:
         raise ValueError(f"{name} returned a {image.width} x {image.height} image, more than {MAX_TOOL_IMAGE_PIXELS} "
                          f"pixels (PIL's bound on a decoded image)")
@@ -357,26 +333,21 @@ def failure(reason, kind):
 
 
 def run_call(text, sample, names, time_s=None):
-    """Run the tool call in a turn's text for `sample`, allowed tools `names` -> (result, error, kind) (finish_call),
-    waiting at most `time_s` (TOOL_TIME_S)."""
+    """Start and finish one call, waiting at most `time_s` (TOOL_TIME_S) -> (result, error, kind)."""
     call = start_call(text, sample, names, time_s)
     return finish_call(call, time.monotonic() + (TOOL_TIME_S if time_s is None else time_s))
 
 
 def rollout(samples, n, processor, args, generate, any_live):
-    """n trajectories per sample (--tools): every live trajectory advances one turn per `generate(requests,
-    keys, budgets, stops, n)` call (all of them batched, never one request at a time). A turn ends at the end of a tool
-    call (`</tool_call>`, a stop token), at the end of the answer, or at the budget: --max_completion_length
-    counts every model token of a trajectory, --max_turns its model turns. After a call the tool runs and the
-    template's tool message (response) is appended; the next turn continues from the tokens already there:
-    tokens are appended, never re-tokenized, so the sampler's log-probs stay on the tokens trained on.
-    `any_live(count)` is a collective (train.py): every rank runs as many turns as the busiest one (vLLM's
-    tensor-parallel groups generate together). A sample's tools are its row's (data.prepare: a row's own `tools`
-    field, else --tools); with none its trajectories have one turn. -> per sample, n dicts (train.py makes
-    Completion records)."""
+    """n trajectories per sample (--tools) -> per sample, n dicts (train.py makes Completion records). Each
+    `generate(requests, keys, budgets, stops, n)` call advances every live trajectory one turn, all batched. A turn
+    ends at a tool call (`</tool_call>`), the answer or the budget: --max_completion_length model tokens, --max_turns
+    turns. After a call its tool message is appended (answer). Tokens are appended, never re-tokenized, so the
+    sampler's log-probs stay on the tokens trained on. `any_live(count)` is a collective: every rank runs as many turns
+    as the busiest."""
     end_call = processor.tokenizer.convert_tokens_to_ids("</tool_call>")
-    trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[], calls=[],
-                   model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
+    trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[],
+                   calls=[], model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
     for turn in range(args.max_turns):
         live = [(i, k) for i, ts in enumerate(trajs) for k, t in enumerate(ts) if t["finish_reason"] is None]
         if not any_live(len(live)):
@@ -386,7 +357,8 @@ def rollout(samples, n, processor, args, generate, any_live):
         # turns: one request per live trajectory
         first = turn == 0
         asked = [(i, 0) for i in range(len(samples))] if first else live
-        requests = [{key: samples[i][key] + trajs[i][k][key] for key in ("vllm_ids", "images", "image_ids")} for i, k in asked]
+        requests = [{key: samples[i][key] + trajs[i][k][key] for key in ("vllm_ids", "images", "image_ids")}
+                    for i, k in asked]
         outs = generate(requests, [(i, turn) if first else (i, k, turn) for i, k in asked],
                         [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in asked],
                         [[end_call] if samples[i]["tools"] else [] for i, _ in asked],   # a row without tools: one turn
@@ -414,14 +386,10 @@ def rollout(samples, n, processor, args, generate, any_live):
 
 
 def answer(pending, processor, args):
-    """Run the call that ended the last turn of each (trajectory, sample) in `pending` and append its tool message,
-    in both forms: vLLM's (one <|image_pad|> per image; it expands them) and the training forward's (the
-    processor's, expanded), masked out of the loss. A call that repeats another trajectory's on the same sample (a
-    group's trajectories often write the same one) runs once, and their messages share its images, one content id
-    each: vLLM processes and encodes such an image once. One processor call for the turn's distinct messages:
-    called once per message it took a quarter of a multi-turn step (docs/verification.md). The turn's distinct calls
-    start at once (start_call) and are waited for together, so their time-outs overlap. A result that would take
-    the prompt past --limit_images images keeps its text only (IMAGE_LIMIT)."""
+    """Run the call that ended the last turn of each (trajectory, sample) in `pending` and append its tool message in
+    two forms: vLLM's (one <|image_pad|> per image) and the training forward's (expanded), out of the loss. A call
+    repeated on one sample runs once and its trajectories share its images; one processor call serves the turn. A
+    result past --limit_images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
     for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
         if (id(sample), t["turns"][-1]) not in ran:
@@ -445,7 +413,8 @@ def answer(pending, processor, args):
     hf = processor(text=texts, images=flat or None, padding=True, return_tensors="pt")
     pixels = iter(hf["pixel_values"].split(hf["image_grid_thw"].prod(-1).tolist()) if flat else ())
     grids = iter(hf["image_grid_thw"] if flat else ())
-    made = [dict(vllm_ids=text_ids, ids=row[keep].tolist(), types=types[keep].tolist(), images=images,   # padding dropped
+    # each message's own ids and token types, the batch's padding dropped
+    made = [dict(vllm_ids=text_ids, ids=row[keep].tolist(), types=types[keep].tolist(), images=images,
                  image_ids=[data.content_id(im) for im in images],
                  mm={"pixel_values": torch.cat([next(pixels) for _ in images]),
                      "image_grid_thw": torch.stack([next(grids) for _ in images])} if images else None)
