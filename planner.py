@@ -419,10 +419,11 @@ def plan(args, cluster, s=None):
     saves = args.save_steps > 0 or args.save_final_model
     phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES
               if (ph != "checkpoint" or saves) and (ph != "vllm_start" or cluster.cuda)}
+    # what every plan returns; a GPU plan adds vLLM's room below
     record = {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
               "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster),
               "image_tokens": w.image_tokens, "video_tokens": w.video, "micro_batch": mb}
-    if not cluster.cuda:
+    if not cluster.cuda:   # one rank's host RAM, from measured coefficients
         add_cpu_stack(phases, args, s, p, w, world)
         return record
     add_trainer_states(phases, args, ranks, terms, where)
