@@ -41,27 +41,18 @@ def measure():
 
 
 def gpu_figures(device, allocated, reserved, peak, vllm_allocations, pinned):
-    """The GPU readings, in GB, with vLLM's pool apart from the trainer's.
-
-    vLLM's sleep-mode allocator (vllm/device_allocator/cumem.py) allocates the weights and KV cache
-    through a torch MemPool: torch's allocated/reserved/peak counters include every one of those
-    allocations, and still do after sleep unmaps them behind torch's back. So gpu_alloc/reserved/
-    peak_gb here are torch's minus vLLM's allocations (vllm_allocations: its pointer_to_data, one
-    AllocationData per allocation, sized handle[1]; the peak on the assumption that vLLM's own
-    allocations did not change in the phase); gpu_vllm_gb is what vLLM maps on the device now (awake
-    allocations); gpu_device_gb what the device holds (cudaMemGetInfo: total - free); host_pinned_gb
-    torch's pinned host blocks (power-of-two sizes, cached: level-1 sleep's copy of the weights and
-    DeepSpeed's offload buffers live there). What is left, device - reserved - vllm, is held outside
-    both: CUDA contexts, NCCL buffers, cuBLAS workspaces."""
+    """Bytes -> the GPU readings in GB: the device's used memory, torch's allocated, reserved and peak less vLLM's
+    allocations (its pointer_to_data), what vLLM maps now, and torch's pinned host blocks. torch's counters include
+    vLLM's pool, asleep or awake, because vLLM allocates through a torch MemPool."""
     held = sum(a.handle[1] for a in vllm_allocations.values())
     mapped = sum(a.handle[1] for a in vllm_allocations.values() if not a.is_asleep)
-    return {"gpu_device_gb": device / GB, "gpu_alloc_gb": (allocated - held) / GB, "gpu_reserved_gb": (reserved - held) / GB,
-            "gpu_peak_gb": (peak - held) / GB, "gpu_vllm_gb": mapped / GB, "host_pinned_gb": pinned / GB}
+    return {"gpu_device_gb": device / GB, "gpu_alloc_gb": (allocated - held) / GB,
+            "gpu_reserved_gb": (reserved - held) / GB, "gpu_peak_gb": (peak - held) / GB, "gpu_vllm_gb": mapped / GB,
+            "host_pinned_gb": pinned / GB}
 
 
 def proc_status():
-    """Linux: this process's peak RSS since the last reset_peak() (VmHWM), and its anonymous memory
-    (RssAnon: what host RAM must hold, unlike file pages the kernel can drop). {} elsewhere."""
+    """Linux: this process's {"peak": VmHWM since reset_peak, "anon": RssAnon} in bytes; {} elsewhere."""
     try:
         with open("/proc/self/status") as f:
             st = dict(line.split(":", 1) for line in f if line.startswith(("VmHWM", "RssAnon")))
@@ -81,7 +72,7 @@ def reset_peak():
 
 
 def used_bytes():
-    """What this process holds: the device's used memory with CUDA (vLLM's pool included), else RSS."""
+    """-> the device's used bytes with CUDA (vLLM's pool included), else this process's RSS."""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return total - free
@@ -89,7 +80,7 @@ def used_bytes():
 
 
 def collect():
-    """gc.collect(); -> bytes given back (device-level with CUDA, else RSS)."""
+    """gc.collect() -> bytes given back (used_bytes)."""
     before = used_bytes()
     gc.collect()
     return before - used_bytes()
@@ -105,8 +96,7 @@ def empty_cache():
 
 
 def free():
-    """gc.collect() and empty the CUDA cache, after an offload; -> bytes given back (device-level
-    with CUDA, else RSS). Not while vLLM sleeps: see rollout.sleep."""
+    """gc.collect() and empty the CUDA cache -> the bytes given back. Not while vLLM sleeps (rollout.sleep)."""
     return collect() + empty_cache()
 
 
@@ -165,7 +155,7 @@ _OOM_TYPES = (MemoryError, torch.cuda.OutOfMemoryError, getattr(torch, "OutOfMem
 
 
 def is_oom(exc):
-    """True for GPU or host out-of-memory errors, whichever way torch or Python reports them."""
+    """True for any out-of-memory error, GPU or host."""
     if isinstance(exc, _OOM_TYPES) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
         return True  # OSError ENOMEM: fork/mmap of a data or vLLM worker failed
     msg = str(exc).lower()
@@ -173,17 +163,14 @@ def is_oom(exc):
 
 
 def is_host_oom(exc):
-    """True when host RAM, not the GPU, ran out (MemoryError, ENOMEM, torch's CPU allocator, or a
-    pinned host allocation: see is_pinned_oom)."""
+    """True when host RAM ran out, not the GPU, a failed pinned allocation included."""
     return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
             or any(s in str(exc).lower() for s in _HOST_OOM) or is_pinned_oom(exc))
 
 
 def is_pinned_oom(exc):
-    """A pinned host allocation that failed: cudaHostAlloc's error reads as a CUDA "out of memory", but
-    host RAM ran out (vLLM's level-1 sleep pins a copy of the weights, cumem.py's sleep; DeepSpeed pins
-    its offload buffers). Told apart by the code that raised it: a frame whose statement asks for
-    pinned memory (pin_memory), or vLLM's CuMemAllocator.sleep."""
+    """True when a pinned host allocation failed, whose CUDA error says "out of memory" though host RAM ran out;
+    told by the raising frame: a statement with pin_memory, or vLLM's CuMemAllocator.sleep."""
     import linecache
     tb = exc.__traceback__
     while tb is not None:
@@ -249,8 +236,10 @@ def diagnose(exc, phase, last_table):
             fixes = [f"{outside:.1f} GB of the device is held outside torch and vLLM (CUDA contexts, NCCL buffers, "
                      f"cuBLAS workspaces: about 1-3 GB per process; more ranks or TP groups per GPU add to it)"] + fixes
         if vllm > 1:
+            rollout = phase in ("rollout", "validation")
+            sleep = "" if rollout else ", or --sleep_level 1/2 so vLLM frees it outside rollouts"
             fixes = [f"vLLM holds {vllm:.1f} GB of the device in this phase (weights and KV cache): lower "
-                     f"--vllm_gpu_memory_utilization{'' if phase in ('rollout', 'validation') else ', or --sleep_level 1/2 so vLLM frees it outside rollouts'}"] + fixes
+                     f"--vllm_gpu_memory_utilization{sleep}"] + fixes
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return "\n".join([f"[oom] {'host RAM' if host else 'GPU'} ran out in phase '{phase}'",
                       f"  {type(exc).__name__}: {first}", "last memory per phase (GB):", render_table(last_table),
@@ -259,9 +248,8 @@ def diagnose(exc, phase, last_table):
 
 @contextlib.contextmanager
 def oom_report(table):
-    """Around the training loop: an out-of-memory error anywhere exits with report_oom's diagnosis (where, and
-    what to change; exit code 3) instead of a traceback; the checkpoints written so far stay. `table()` gives
-    the step's metrics so far."""
+    """Around the training loop: an out-of-memory error exits with report_oom's diagnosis (exit code 3) instead of
+    a traceback. `table()` gives the step's metrics so far."""
     try:
         yield
     except BaseException as e:
@@ -271,8 +259,8 @@ def oom_report(table):
 
 
 def report_oom(exc, phase=None, table=None):
-    """Print diagnose() to stderr and return 3, the exit code. `phase` defaults to the one `phase()`
-    tagged the exception with; `table` is the step's metrics so far (phases done, and the failed one)."""
+    """Print diagnose() to stderr -> 3, the exit code. `phase` defaults to the one phase() tagged; `table` is the
+    step's metrics so far."""
     phase = phase or getattr(exc, "memory_phase", "unknown")
     print(diagnose(exc, phase, table or {}), file=sys.stderr, flush=True)
     return 3
@@ -280,5 +268,6 @@ def report_oom(exc, phase=None, table=None):
 
 if __name__ == "__main__":   # python memory.py plan [train.py's flags] --gpus_per_node 8 --gpu_gb 80 --host_gb 1024
     if sys.argv[1:2] != ["plan"]:
-        sys.exit("usage: python memory.py plan [train.py's flags] --gpus_per_node N --gpu_gb G --host_gb H [--nodes K] [--cpu]")
+        sys.exit("usage: python memory.py plan [train.py's flags] --gpus_per_node N --gpu_gb G --host_gb H "
+                 "[--nodes K] [--cpu]")
     sys.exit(planner.main(sys.argv[2:]))

