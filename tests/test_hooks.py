@@ -193,8 +193,8 @@ def test_process_rewards_give_each_token_its_steps_advantage(parts, tmp_path):
     for c in comps:
         c.old_logps = torch.zeros(len(c.token_ids))
     (b,) = train.micro_batches(run, groups)
-    loss = learner.policy_loss(run, b, 1, 1.0, {}, lambda *a: None, [], 1)
-    assert torch.isfinite(loss)
+    stats = learner.update(run, [b], train.Metrics())
+    assert math.isfinite(stats["train/loss"])
 
 
 # ----------------------------------------------------------------------------- a loss from another forward
@@ -213,7 +213,7 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
         for c in (c for g in groups for c in g.completions):
             c.old_logps = torch.zeros(len(c.token_ids))
         forwards = run.engine.forwards
-        stats = learner.update(run, batches, {}, extra=learner.sft_losses(run, groups))
+        stats = learner.update(run, batches, train.Metrics(), extra=learner.sft_losses(run, groups))
         gold = learner.gold_batches(run, groups)
         assert run.engine.forwards - forwards == len(batches) + len(gold) and len(gold) == -(-len(groups) // mb)
         results.append((run.engine.module.w.detach().clone(), stats["train/sft_nll"]))
@@ -229,14 +229,15 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
     torch.manual_seed(0)
     with torch.no_grad():
         run.engine.module.w.copy_(torch.randn(len(w1)))
-    seen = {}
+    seen = train.Metrics()
     (b, loss_fn), *_ = learner.sft_losses(run, groups)
-    loss_fn(run, b, lambda name, value, weight: seen.update({name: (value, weight)}))
+    loss_fn(run, b, seen)
     logp = run.engine.module.w.detach().masked_fill(~allowed, -math.inf).log_softmax(-1)
     end = run.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     want = [-logp[t].item() for g in groups[:b["inputs"]["input_ids"].shape[0]] for t in
             run.processor.tokenizer(g.sample["columns"]["solution"], add_special_tokens=False)["input_ids"] + [end]]
-    assert seen["train/sft_nll"] == (pytest.approx(sum(want) / len(want), rel=1e-5), len(want))
+    assert seen.means()["train/sft_nll"] == pytest.approx(sum(want) / len(want), rel=1e-5)
+    assert seen.weights["train/sft_nll"] == len(want)
     run, samples = make_run(parts, tmp_path / "off")
     assert learner.sft_losses(run, groups_of(samples, lengths)) == []
 
@@ -289,7 +290,7 @@ def test_temperature_end_reaches_vllm_and_the_trainer(parts, tmp_path):
     assert [train.temperature_at(run.args, s) for s in (1, 2, 3)] == pytest.approx([1.0, 0.75, 0.5])
     seen = []
     for step in (1, 3):
-        train.train_step(run, step, {})
+        train.train_step(run, step, train.Metrics())
         seen.append((run.llm.params[-1][0].temperature, run.sampling.temperature))
     assert seen == [(1.0, 1.0), (0.5, 0.5)]
     assert train.temperature_at(argparse.Namespace(temperature=0.7, temperature_end=None, max_steps=3), 3) == 0.7

@@ -189,12 +189,12 @@ def test_train_logs_the_aux_loss_and_the_expert_shares():
     import ranks
     stats = types.SimpleNamespace(aux_loss=torch.tensor(1.5), load=torch.tensor([[3.0, 1.0], [2.0, 2.0]]))
     run = types.SimpleNamespace(aux_loss_coef=0.01, gas=4)
-    sums, loads = {}, []
-    add = lambda k, v, w: sums.update({k: (v, w)})   # noqa: E731
-    loss = learner.router_loss(run, types.SimpleNamespace(router=stats), 2, add, loads)
-    assert loss == pytest.approx(0.01 * 4 / 2 * 1.5) and sums["train/aux_loss"] == (1.5, 1) and len(loads) == 1
-    assert learner.router_loss(run, types.SimpleNamespace(router=None), 2, None, loads) == 0.0
-    shares = learner.expert_shares(loads * 2)
+    m = train.Metrics()
+    loss = learner.router_loss(run, types.SimpleNamespace(router=stats), 2, m)
+    assert loss == pytest.approx(0.01 * 4 / 2 * 1.5) and m.means() == {"train/aux_loss": 1.5} and len(m.loads) == 1
+    assert m.weights == {"train/aux_loss": 1}
+    assert learner.router_loss(run, types.SimpleNamespace(router=None), 2, m) == 0.0
+    shares = learner.expert_shares(m.loads * 2)
     assert shares["train/expert_share_max"] == 0.75 and shares["train/expert_share_min"] == 0.25
     assert type(shares["train/expert_share_max"]) is ranks.Max and type(shares["train/expert_share_min"]) is ranks.Min
     assert learner.expert_shares([]) == {}
@@ -630,7 +630,7 @@ def test_the_flag_reaches_the_training_forward(arch, shared, replay_llm):
     batches = train.micro_batches(run, groups)
     assert batches[0]["inputs"]["attention_mask"].dim() == (4 if shared else 2)   # the layout asked for
     with experts_used(m) as used:
-        stats = learner.update(run, batches, {})
+        stats = learner.update(run, batches, train.Metrics())
     assert torch.isfinite(torch.tensor(stats["train/loss"]))
     moved = 0
     for j, b in enumerate(batches):

@@ -374,7 +374,7 @@ def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
     assert batches[-1]["completions"][-1] is groups[0].completions[2]   # the 20-token answer, last
     padded = sum(b["inputs"]["completion_mask"].numel() for b in batches)
     assert padded == 4 * (1 + 2 + 2 + 20) < 16 * 20   # the step's longest everywhere: 320 tokens
-    stats = learner.update(run, batches, {})
+    stats = learner.update(run, batches, train.Metrics())
     cmask = [b["inputs"]["completion_mask"] for b in batches]
     attn = [b["inputs"]["attention_mask"] for b in batches]
     assert 0 < stats["update/padded_frac"] == pytest.approx(1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
@@ -394,7 +394,7 @@ def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
     assert shapes == [(6, 1), (6, 2), (3, 2), (1, 100)], (shapes, prompt)   # 8 ones, 7 twos, one of 100 alone
     steps = []
     run.engine.opt.step = lambda: steps.append(run.engine.calls)
-    learner.update(run, batches, {})
+    learner.update(run, batches, train.Metrics())
     assert steps == [len(batches)]
 
 
@@ -422,7 +422,7 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     train.advantages(run, groups, {})
     tok = parts[0].tokenizer
     red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
-    m = {}
+    m = train.Metrics()
     stats = learner.update(run, batches, m)
     w = run.engine.module.w.detach()
     reds = sum(g.sample["columns"]["solution"] == "red" for g in groups)
@@ -464,7 +464,7 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
         batches = train.micro_batches(run, groups)
         learner.old_ref_logps(run, batches)
         train.advantages(run, groups, {})
-        learner.update(run, batches, {})
+        learner.update(run, batches, train.Metrics())
         policies.append(run.engine.module.w.detach().clone())
     assert any(p.abs().max() > 1e-3 for p in policies)
     for i in range(len(policies)):
@@ -488,7 +488,7 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(parts, tmp_
         train.score(run, groups)
         batches = train.micro_batches(run, groups)
         learner.old_ref_logps(run, batches)
-        m = {}
+        m = train.Metrics()
         train.advantages(run, groups, m)
         out[flag] = groups, m, learner.update(run, batches, m)
     allowed = len(tok) - len(run.sampling.banned)
@@ -532,7 +532,7 @@ def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_pat
     batches = train.micro_batches(run, groups)
     learner.old_ref_logps(run, batches)
     train.advantages(run, groups, {})
-    m = {}
+    m = train.Metrics()
     stats = learner.update(run, batches, m)
     assert m["rollout/logp_diff_max"] < 1e-5 and stats["rollout/logp_diff_mean"] < 1e-5
     assert m["sampling/is_ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["sampling/is_ratio_max"] == pytest.approx(1.0, abs=1e-5)
