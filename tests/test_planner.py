@@ -152,7 +152,7 @@ H200_UPDATE = {   # name: (model, checkpointing, shared prefix, peak - weights -
     "7B shared prefix, no checkpointing": ("qwen2.5-vl-7b", False, True, 43.79, 6.9),
 }
 # The micro-batches that can peak there, (rows, tokens per row, longest completion, image tokens per row), estimated
-# from the workload the issue states (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image;
+# from the workload measured (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image;
 # completions of 200-500) and its token totals (31,664 with the shared prefix, 106,568 without): the mean over draws
 # that give those totals (docs/memory.md) of the longest shared-prefix row, of the row with the longest completion,
 # and of the standard layout's last micro-batch (the longest sequences: train.micro_batches sorts them).
@@ -209,7 +209,7 @@ def test_cost_reproduces_the_h200_update_times(name):
     added a third (5.3 s against 3.9 s), so --memory auto took it for cheaper than it is."""
     model, gc, prefix, _, seconds = H200_UPDATE[name]
     s = planner.model_shape(model)
-    tokens, images = (31664, 8 * 1166) if prefix else (106568, 64 * 1166)   # the issue's totals; images of 1,036-1,296
+    tokens, images = (31664, 8 * 1166) if prefix else (106568, 64 * 1166)   # the measured totals; images of 1,036-1,296
     t = planner.compute_seconds(s, s["n_active"], tokens, images, gc) + 8 * (2 + gc) * planner.COST["pass_overhead_s"]
     assert t == pytest.approx(seconds, rel=0.15), (name, t, seconds)
 
@@ -571,8 +571,8 @@ def auto(flags, cluster, model="qwen2.5-vl-7b"):
 
 
 def test_the_step_time_model_charges_every_lever():
-    """planner.step_seconds: each lever that saves memory costs time, in the order the issue asks the
-    choice to try them: no offload < sleep level 2 < level 1; during-rollout offload < static optimizer
+    """planner.step_seconds: each lever that saves memory costs time, in the order the choice is
+    meant to try them: no offload < sleep level 2 < level 1; during-rollout offload < static optimizer
     offload < static offload of everything; checkpointing and a smaller micro-batch cost; a larger vLLM
     share costs nothing more (fewer waves when the rollout needs them)."""
     cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
