@@ -13,8 +13,8 @@ sys.path.insert(1, os.path.join(ROOT, "tools"))   # tools/bench.py and tools/gpu
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Seconds the longest tests took under `make test` (two workers, a clean worktree of 520b36d, cold .cache): they start first,
-# longest first, so that the run does not end on one of them started late beside an idle worker (in file
+# Seconds the longest tests took under `make test` (two workers, a clean worktree of 520b36d, cold .cache): they
+# start first, longest first, so that the run does not end on one of them started late beside an idle worker (in file
 # order the ten kills, the longest, started at minute ~24 of 44; ordered so, the two workers ended 8 s apart).
 LONGEST = {"test_ten_kills_then_resume_exactly": 478, "test_grounding_demo_learns": 434,
            "test_one_live_job_per_folder_and_ranks_do_not_outlive_the_command": 226,
@@ -63,8 +63,8 @@ def parts(tiny_default, world1):
     import train
     model_dir, train_jsonl, val_jsonl = tiny_default
     processor = AutoProcessor.from_pretrained(model_dir)
-    args = train.parse_args(["--num_generations", "4", "--rollout_batch_size", "4", "--per_device_train_batch_size", "8",
-                             "--beta", "0", "--report_to", "none"])
+    args = train.parse_args(["--num_generations", "4", "--rollout_batch_size", "4",
+                             "--per_device_train_batch_size", "8", "--beta", "0", "--report_to", "none"])
     pool = [data.prepare(r, processor, args) for r in data.read_jsonl(train_jsonl)[:16]]
     return processor, args, pool[:4], pool
 
@@ -144,7 +144,8 @@ def world1():
     on rank 0 of a real run. vLLM's engine reuses this group, as it reuses DeepSpeed's in train.py."""
     import torch.distributed as dist
     if not dist.is_initialized():
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo")
     return dist
 

@@ -1,8 +1,7 @@
 """Checkpoints that can be trusted, in-process on one gloo rank with the real DeepSpeed engine (ZeRO-3 on a
-Linear): a relaunch's flags against the checkpoint's (issue 32, item 3), the manifest against damaged
-checkpoints (item 6), a full disk (item 7), a whole checkpoint-<step>.tmp and the signals of a Ctrl-C and a
-closed terminal (item 8), and the per-rank state loaded with weights_only (item 12). The launches that show
-the same end to end are in tests/test_resume.py."""
+Linear): a relaunch's flags against the checkpoint's, the manifest against damaged checkpoints, a full disk, a
+whole checkpoint-<step>.tmp and the signals of a Ctrl-C and a closed terminal, and the per-rank state loaded with
+weights_only. The launches that show the same end to end are in tests/test_resume.py."""
 import json
 import os
 import random
@@ -56,7 +55,7 @@ def trained_and_saved(out_dir, steps, *argv):
     return engine, args
 
 
-# ----------------------------------------------------------------------------- item 3: a relaunch's flags
+# ----------------------------------------------------------------------------- a relaunch's flags
 def test_a_relaunch_says_the_flags_it_applies_and_refuses_those_that_change_the_state():
     """Before: a relaunch resumed whatever its flags said. A change that steers the rest of the run is said
     and applied; one that changes what the saved state means is refused by name with the way out; another
@@ -77,7 +76,7 @@ def test_a_relaunch_says_the_flags_it_applies_and_refuses_those_that_change_the_
     assert refusal.endswith("name the changes: --accept_changed_flags model num_generations")
     said, refusal = flags.changed_flags(saved, other, 2, 2, accept=["model", "num_generations"])
     assert refusal is None and "[resume] --num_generations 16 -> 8: accepted from here on" in said
-    said, refusal = flags.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # issue 32, item 4: said
+    said, refusal = flags.changed_flags(saved, saved, 2, 1, name="checkpoint-4")   # another number of ranks: said
     assert refusal is None and said == ["[resume] checkpoint-4 was saved by 2 ranks and this launch has 1: its ZeRO-3 "
                                         "state loads through DeepSpeed's universal checkpoint, and the data position "
                                         "and random streams are carried over (docs/resilience.md, another number of "
@@ -97,7 +96,7 @@ def test_a_relaunch_trains_at_its_own_learning_rate_and_weight_decay(world1, tmp
     assert engine.get_lr() == [5e-4]                  # and the scheduler's next step keeps it
 
 
-# ----------------------------------------------------------------------------- item 6: a damaged checkpoint
+# ----------------------------------------------------------------------------- a damaged checkpoint
 DAMAGE = {   # what was done to checkpoint-2, and what the check says of it
     "cut short": (lambda d: os.truncate(d / "zero" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 1000),
                   "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt has 1000 bytes where its manifest says"),
@@ -145,7 +144,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_used(world1, tmp
             checkpoint.pick_checkpoint(engine_of("--output_dir", str(d))[1], 0, 1)
 
 
-# ----------------------------------------------------------------------------- item 8: a whole .tmp
+# ----------------------------------------------------------------------------- a whole .tmp
 def test_a_whole_tmp_is_kept_and_an_unfinished_one_removed(world1, tmp_path, capsys):
     """A kill after a save's last file and before its rename (Ctrl-C: DeepSpeed's launcher SIGKILLs 30 s
     later) left a whole checkpoint-<step>.tmp that no launch used: the finished steps were trained again.
@@ -195,7 +194,7 @@ def test_ctrl_c_and_a_hang_up_finish_the_step_and_checkpoint(tmp_path):
     assert nohup.returncode == 0 and "FLAGGED []" in nohup.stdout, nohup.stdout + nohup.stderr
 
 
-# ----------------------------------------------------------------------------- item 7: a full disk
+# ----------------------------------------------------------------------------- a full disk
 def test_a_full_disk_is_said_with_the_last_good_checkpoint(world1, tmp_path, monkeypatch):
     """Before: a save that hit ENOSPC ended the run with "basic_ios::clear: iostream error" or "unexpected
     pos" and left checkpoint-N.tmp, and nothing said "disk full" or which checkpoint was the last good one.
@@ -243,7 +242,7 @@ def test_a_save_without_room_first_removes_what_it_would_remove_after_or_stops(t
     assert os.listdir(tmp_path) == ["checkpoint-4"]
 
 
-# ----------------------------------------------------------------------------- item 12: rank<r>.pt with weights_only
+# ----------------------------------------------------------------------------- rank<r>.pt with weights_only
 class Evil:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
@@ -267,7 +266,7 @@ def test_the_per_rank_state_loads_without_running_code(world1, tmp_path, monkeyp
 @pytest.mark.parametrize("name", ["zero/zero_pp_rank_0_mp_rank_00_model_states.pt",
                                   "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
 def test_deepspeeds_files_are_loaded_without_running_code(world1, tmp_path, monkeypatch, name):
-    """Issue 44: a pickle payload in DeepSpeed's zero/ files ran at a resume without a word (DeepSpeed loads them with
+    """A pickle payload in DeepSpeed's zero/ files ran at a resume without a word (DeepSpeed loads them with
     torch.load(weights_only=False)), and its manifest, rewritten by whoever changed the file, matched. Every .pt file
     of the checkpoint is now unpickled with weights_only (its tensors memory-mapped) before anything loads it: such a
     file is refused by name, and nothing runs; DeepSpeed's own loads of this engine go through weights_only too. A
@@ -328,7 +327,7 @@ def text_rows(path, n, first=0):
 
 @pytest.mark.parametrize("change", ["append", "shuffle"])
 def test_changed_data_is_refused_by_name_or_starts_a_fresh_epoch(world1, tmp_path, capsys, monkeypatch, change):
-    """Issue 32, item 5: 20 lines appended to a 2,000-line file, or the file shuffled, resumed without a word,
+    """20 lines appended to a 2,000-line file, or the file shuffled, resumed without a word,
     the position a cursor into a shuffle of the old row count. Now the checkpoint keeps the file's fingerprint:
     the resume is refused naming the file, or with --accept_changed_data a fresh epoch starts, said; the history
     keeps its entries by sample identity, which a shuffle does not change."""
@@ -351,7 +350,8 @@ def test_changed_data_is_refused_by_name_or_starts_a_fresh_epoch(world1, tmp_pat
     capsys.readouterr()
     with pytest.raises(SystemExit) as refused:
         checkpoint.pick_checkpoint(args, 0, 1)
-    assert str(refused.value).startswith(f"error: --train_data {path} changed since checkpoint-1 was saved (2000 rows, ")
+    assert str(refused.value).startswith(f"error: --train_data {path} changed since checkpoint-1 was saved "
+                                         "(2000 rows, ")
     assert "--accept_changed_data" in str(refused.value)
     args.accept_changed_data = True
     ckpt = checkpoint.pick_checkpoint(args, 0, 1)
@@ -379,12 +379,12 @@ def gathered(engine):
 
 def test_a_checkpoint_of_two_ranks_resumes_on_one_through_the_universal_checkpoint(world1, tmp_path, capsys,
                                                                                    monkeypatch):
-    """Issue 32, item 4, in-process on one gloo rank: a checkpoint whose trainer_state.json says 2 ranks (its rank1.pt
-    that of a second data stream) resumes on 1. pick_checkpoint converts it with DeepSpeed's ds_to_universal into
-    checkpoint-1/universal once (a .tmp that a killed conversion left is made again, and so is a damaged one), its
-    manifest still verifies, and resume loads the weights, Adam's moments, the step and the schedule exactly as a
-    load on the same number of ranks does; the data goes on where both ranks were, and rank 0's random streams
-    go on. Before, this was refused."""
+    """Another number of ranks, in-process on one gloo rank: a checkpoint whose trainer_state.json says 2 ranks (its
+    rank1.pt that of a second data stream) resumes on 1. pick_checkpoint converts it with DeepSpeed's ds_to_universal
+    into checkpoint-1/universal once (a .tmp that a killed conversion left is made again, and so is a damaged one), its
+    manifest still verifies, and resume loads the weights, Adam's moments, the step and the schedule exactly as a load
+    on the same number of ranks does; the data goes on where both ranks were, and rank 0's random streams go on. Before,
+    this was refused."""
     path = tmp_path / "train.jsonl"
     text_rows(path, 40)
     engine, args = engine_of("--output_dir", str(tmp_path / "run"), "--train_data", str(path), "--learning_rate", "0.1")

@@ -112,7 +112,8 @@ def test_an_images_content_id_is_its_pixels_own():
     im = Image.new("RGB", (4, 4), (10, 20, 30))
     dot = im.copy()
     dot.putpixel((3, 3), (10, 20, 31))
-    ids = {data.content_id(x) for x in (im, dot, im.resize((8, 2)), Image.new("RGB", (2, 8), (10, 20, 30)), im.convert("RGBX"))}
+    ids = {data.content_id(x)
+           for x in (im, dot, im.resize((8, 2)), Image.new("RGB", (2, 8), (10, 20, 30)), im.convert("RGBX"))}
     assert len(ids) == 5 and data.content_id(im.copy()) == data.content_id(im)
 
 
@@ -177,7 +178,8 @@ def test_default_micro_batch_divides_the_rank_sequences(world, expected):
     train.check_args(args, world)
     assert args.per_device_train_batch_size is None      # check_args checks; micro_batch derives
     assert train.micro_batch(args, world) == expected    # 32 / world x 7 sequences, divisor <= 32 on the tiny model
-    assert train.micro_batch(args_for("--model", "m", "--num_generations", "7"), world) == 8   # <= 8 otherwise (112 or 56)
+    # <= 8 otherwise (112 or 56)
+    assert train.micro_batch(args_for("--model", "m", "--num_generations", "7"), world) == 8
 
 
 def test_vlm_r1_layout_r1v_layout_and_column_mapping(tmp_path, processor):
@@ -200,7 +202,8 @@ def test_image_root_and_multi_image(tmp_path, processor):
     for name, colour in (("a.png", "red"), ("b.png", "blue")):
         Image.new("RGB", (56, 84), colour).save(tmp_path / "imgs" / name)
     path = write_task(tmp_path, [row(["a.png", "b.png"])])
-    s = data.prepare(data.Rows(str(path), image_root=str(tmp_path / "imgs"))[0], processor, args_for("--limit_images", "2"))
+    s = data.prepare(data.Rows(str(path), image_root=str(tmp_path / "imgs"))[0], processor,
+                     args_for("--limit_images", "2"))
     assert [im.getpixel((0, 0)) for im in s["images"]] == [(255, 0, 0), (0, 0, 255)]
     assert s["hf"]["image_grid_thw"].shape[0] == 2
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -254,7 +257,7 @@ def test_an_image_path_that_climbs_out_of_the_image_root_is_refused(tmp_path, pr
 
 
 def test_a_link_out_of_the_image_root_is_followed_and_said_and_a_videos_refusal_says_video(tmp_path, processor, capsys):
-    """Issue 44: a link inside the data folder was followed anywhere without a word. Links are trusted (a linked
+    """A link inside the data folder was followed anywhere without a word. Links are trusted (a linked
     image folder and a Hugging Face snapshot, whose files are links into its blobs/, are common layouts; a data
     file's line cannot make one, as it can write `../`): followed, and said once per folder they lead from and to,
     naming the link. And a video path that climbs out was refused as an "image"."""
@@ -321,7 +324,7 @@ def test_an_all_bad_validation_file_stops_the_run_at_start(tmp_path):
     assert not metrics.exists() or "val/reward" not in metrics.read_text()
 
 
-# ----------------------------------------------------------------------------- issue 32, items 4 and 5: the data position
+# ----------------------------------------------------------------------------- the data position
 def taking(monkeypatch):
     """PromptStream.next without images or a processor: a prepared sample is its row's id."""
     monkeypatch.setattr(data, "prepare", lambda r, processor, args, *rest: {"id": r["_id"], "empty_image": False})
@@ -375,7 +378,7 @@ def test_regroup_carries_the_counts_and_the_history(monkeypatch):
 
 
 def test_a_sample_is_known_by_its_content_or_its_own_id_wherever_its_row_moves(tmp_path, processor):
-    """Issue 32, item 5: the per-prompt history was keyed by the row number, so after a shuffle of the file it
+    """The per-prompt history was keyed by the row number, so after a shuffle of the file it
     pointed at other samples. A sample's id is now its own "id" field when every row has a distinct one, else
     a hash of its content; a shuffle or an append keeps every sample's id, and the history still finds them."""
     lines = [row(f"img{i}.png", solution=["red", "blue"][i % 2]) for i in range(6)]
@@ -410,7 +413,7 @@ def test_a_history_saved_by_row_number_is_read_by_sample_id(tmp_path):
     assert stream.history == {rows[0]["_id"]: [1.0], rows[2]["_id"]: [0.5]} and saved["history_by"] == "sample_id"
 
 
-# ----------------------------------------------------------------------------- issue 43, point 5: the data read first
+# ----------------------------------------------------------------------------- the data read first
 def test_the_peers_field_names_are_read_as_ours(tmp_path, processor):
     """EasyR1's "problem" with its "<image>" placeholder and "answer", TRL's and EasyR1's string "prompt", and the
     "img" / "image_path" of LLaVA-style data are read as question, solution and image (an image under them trained
@@ -423,7 +426,8 @@ def test_the_peers_field_names_are_read_as_ours(tmp_path, processor):
     rows = data.Rows(str(path))
     first = data.prepare(rows[0], processor, args_for())
     assert first["images"] and first["columns"]["solution"] == "red" and first["columns"]["answer"] == "red"
-    assert rows[0]["question"] == "What colour is the shape?" and "<image>" not in processor.tokenizer.decode(first["vllm_ids"])
+    assert rows[0]["question"] == "What colour is the shape?"
+    assert "<image>" not in processor.tokenizer.decode(first["vllm_ids"])
     assert rows[1]["image"] == "ok.png" and rows[1]["question"] == "What colour?" and rows[1]["solution"] == "red"
     assert (rows[2]["image"], rows[2]["question"], rows[2]["solution"]) == ("ok.png", "Q", "blue")
     assert "question" not in rows[3]   # a list of messages is no question of ours
@@ -454,7 +458,8 @@ def test_the_limits_follow_from_the_data_unless_the_launch_set_them():
     --limit_videos 1), plus with --tools an image a turn after a call; a limit given on the command line stays."""
     args = args_for("--model", "M", "--train_data", "t.jsonl")
     said = data.data_limits(args, 2, 1)
-    assert (args.limit_images, args.limit_videos) == (2, 1) and "--limit_images 2" in said and "--limit_videos 1" in said
+    assert (args.limit_images, args.limit_videos) == (2, 1)
+    assert "--limit_images 2" in said and "--limit_videos 1" in said
     args = args_for("--model", "M", "--tools", "crop", "--max_turns", "3")
     data.data_limits(args, 1, 0, toolbox.image_limit(args, 0))
     assert (args.limit_images, args.limit_videos) == (3, 0)

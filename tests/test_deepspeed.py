@@ -10,8 +10,8 @@ import train
 
 def ds_engine(flags, net=None):
     import deepspeed
-    args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
-                             *flags])
+    args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2",
+                             "--per_device_train_batch_size", "2", *flags])
     gas = train.grad_accumulation_steps(args, 1)
     net = net or torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
@@ -26,11 +26,11 @@ def weights(engine):
         return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
 
 
-@pytest.mark.parametrize("flags,rates", [(["--warmup_steps", "0", "--lr_scheduler_type", "constant"], [0.01, 0.01, 0.01]),
-                                         (["--warmup_steps", "4", "--lr_scheduler_type", "constant"], [0.0025, 0.005, 0.0075]),
-                                         (["--lr_scheduler_type", "linear", "--max_steps", "4"], [0.01, 0.0075, 0.005]),
-                                         (["--lr_scheduler_type", "cosine", "--max_steps", "3", "--warmup_steps", "1"],
-                                          [0.01, 0.01, 0.005])])
+@pytest.mark.parametrize("flags,rates", [
+    (["--warmup_steps", "0", "--lr_scheduler_type", "constant"], [0.01, 0.01, 0.01]),
+    (["--warmup_steps", "4", "--lr_scheduler_type", "constant"], [0.0025, 0.005, 0.0075]),
+    (["--lr_scheduler_type", "linear", "--max_steps", "4"], [0.01, 0.0075, 0.005]),
+    (["--lr_scheduler_type", "cosine", "--max_steps", "3", "--warmup_steps", "1"], [0.01, 0.01, 0.005])])
 def test_each_optimizer_step_uses_the_logged_rate(world1, flags, rates):
     """AdamW's first steps move every weight by about the learning rate (m/sqrt(v) = sign of the
     gradient), so the step's own rate is read off the weights. With WarmupLR (before) and no
@@ -59,14 +59,16 @@ def test_offload_flags_change_only_what_they_name():
         return model.ds_config(args, 1, 1, bf16=True, cuda=cuda)
     assert zero(cfg()) == {"offload_param": "cpu", "offload_optimizer": "cpu"}          # ds_zero3.json's static offload
     params = cfg("--offload_model")       # params move with offload_states (which needs offload_param none) ...
-    assert zero(params) == {"offload_param": "none", "offload_optimizer": "cpu"}      # ... the optimizer stays offloaded
+    assert zero(params) == {"offload_param": "none", "offload_optimizer": "cpu"}   # ... the optimizer stays offloaded
     assert params["optimizer"]["params"]["torch_adam"] is True
-    optim = cfg("--offload_optimizer")    # states on the GPU to be moved, by FusedAdam, the only one offload_states moves
+    # states on the GPU to be moved, by FusedAdam, the only one offload_states moves
+    optim = cfg("--offload_optimizer")
     assert zero(optim) == {"offload_param": "none", "offload_optimizer": "none"}
     assert optim["optimizer"]["params"]["torch_adam"] is False
     assert zero(cfg("--offload_model", "--offload_optimizer", cuda=False)) == zero(cfg())   # CPU: a stated no-op
     assert cfg()["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
+    fp32 = model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
+    assert "data_types" not in fp32
 
 
 def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
@@ -76,12 +78,15 @@ def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
     import planner
 
     def cfg(*flags):
-        return model.ds_config(train.parse_args(["--per_device_train_batch_size", "4", *flags]), 1, 1, bf16=True, cuda=True)
+        args = train.parse_args(["--per_device_train_batch_size", "4", *flags])
+        return model.ds_config(args, 1, 1, bf16=True, cuda=True)
     assert zero(cfg("--zero_offload", "none")) == {"offload_param": "none", "offload_optimizer": "none"}
     assert zero(cfg("--zero_offload", "optimizer")) == {"offload_param": "none", "offload_optimizer": "cpu"}
     assert zero(cfg("--zero_offload", "all")) == zero(cfg())
-    assert zero(cfg("--zero_offload", "optimizer", "--offload_model")) == {"offload_param": "none", "offload_optimizer": "cpu"}
-    assert zero(cfg("--zero_offload", "none", "--offload_optimizer", "--offload_model")) == zero(cfg("--zero_offload", "none"))
+    assert zero(cfg("--zero_offload", "optimizer", "--offload_model")) == {"offload_param": "none",
+                                                                          "offload_optimizer": "cpu"}
+    assert zero(cfg("--zero_offload", "none", "--offload_optimizer", "--offload_model")) \
+        == zero(cfg("--zero_offload", "none"))
     for flags in (["--zero_offload", "optimizer", "--offload_optimizer"], ["--zero_offload", "all", "--offload_model"]):
         with pytest.raises(SystemExit, match="--zero_offload .* keeps those states in host RAM"):
             train.check_args(train.parse_args(["--num_generations", "4", *flags]), 1)
@@ -89,10 +94,13 @@ def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
     s = planner.model_shape("qwen2.5-vl-7b")
 
     def placed(value):
-        load = planner.plan(train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", value]), cluster, s)["phases"]["load"]
-        return sorted(k for k in load["gpu"] if k.startswith("ZeRO-3")), sorted(k for k in load["host"] if k.startswith("ZeRO-3"))
+        args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", value])
+        load = planner.plan(args, cluster, s)["phases"]["load"]
+        return (sorted(k for k in load["gpu"] if k.startswith("ZeRO-3")),
+                sorted(k for k in load["host"] if k.startswith("ZeRO-3")))
     assert placed("none")[1] == [] and len(placed("none")[0]) == 4
-    assert placed("optimizer") == (["ZeRO-3 params"], [f"ZeRO-3 {k} (static offload)" for k in ("adam_states", "fp32_master", "gradients")])
+    assert placed("optimizer") == (["ZeRO-3 params"], [f"ZeRO-3 {k} (static offload)"
+                                                       for k in ("adam_states", "fp32_master", "gradients")])
     assert placed("all")[0] == [] and len(placed("all")[1]) == 4
 
 
@@ -118,7 +126,8 @@ def test_offload_model_with_a_frozen_parameter_is_refused(world1):
         frozen.offload_states(include=params)
     base = ["--model", "qwen2.5-vl-7b", "--zero_offload", "none"]
     for flag in ("--use_peft", "--freeze_vision_tower", "--freeze_projector"):
-        with pytest.raises(SystemExit, match=f"--offload_model with {flag}: .*--offload_optimizer .*--zero_offload optimizer"):
+        with pytest.raises(SystemExit,
+                           match=f"--offload_model with {flag}: .*--offload_optimizer .*--zero_offload optimizer"):
             train.check_args(train.parse_args([*base, "--offload_model", flag]), 1)
         train.check_args(train.parse_args([*base, "--offload_optimizer", flag]), 1)
         train.check_args(train.parse_args(["--model", "qwen2.5-vl-7b", "--zero_offload", "optimizer", flag]), 1)
@@ -128,7 +137,8 @@ def test_offload_model_with_a_frozen_parameter_is_refused(world1):
 
 def test_bf16_gradients_accumulate_in_fp32(world1):
     import deepspeed
-    args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2", "--per_device_train_batch_size", "2"])
+    args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2",
+                             "--per_device_train_batch_size", "2"])
     gas = train.grad_accumulation_steps(args, 1)
     net = torch.nn.Linear(4, 3)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
@@ -184,7 +194,8 @@ def test_offload_buffers_stay_out_of_checkpoints_and_are_dropped_after_a_load(wo
     saved = [torch.load(f, weights_only=False) for f in (tmp_path / "checkpoint-1" / "zero").glob("*optim*")]
     assert saved and "_offload_buffer" not in repr(saved)
     engine.save_checkpoint(str(tmp_path / "old"), tag="zero")   # as checkpoints were written before
-    assert "_offload_buffer" in repr([torch.load(f, weights_only=False) for f in (tmp_path / "old" / "zero").glob("*optim*")])
+    assert "_offload_buffer" in repr([torch.load(f, weights_only=False)
+                                      for f in (tmp_path / "old" / "zero").glob("*optim*")])
     engine.load_checkpoint(str(tmp_path / "old"), tag="zero")
     assert checkpoint.drop_offload_buffers(engine) == 2 and not checkpoint.offload_buffers(engine)
     engine.load_checkpoint(path, tag="zero")
@@ -265,7 +276,8 @@ dist.init_process_group("gloo")
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
 args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size", "2",
-                         "--logprob_chunk_tokens", "1", "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
+                         "--logprob_chunk_tokens", "1",
+                         "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
 cfg = model.ds_config(args, 1, 2, bf16=False)
 keep = HfDeepSpeedConfig(cfg)
 policy = model.load_model(model_dir, args, torch.float32)
@@ -277,8 +289,9 @@ if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1
     args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
 else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
     widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
-groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n, text="",
-                                                              finish_reason="stop") for k, n in enumerate(w)])
+groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n,
+                                                              text="", finish_reason="stop")
+                                             for k, n in enumerate(w)])
           for s, w in zip(samples, widths)]
 run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, sampling=train.grpo.Sampling(),
                             device=torch.device("cpu"), rank=rank)
@@ -308,10 +321,11 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=ROOT)
     procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], mode], cwd=ROOT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]   # a hang, not a slow machine: 90 s failed beside other jobs
+        # a hang, not a slow machine: 90 s failed beside other jobs
+        outs = [p.communicate(timeout=600)[0] for p in procs]
     except subprocess.TimeoutExpired:
         outs = None
     finally:
@@ -319,7 +333,8 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
             p.kill()
     expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
     if expect:
-        assert outs and all(f"STEPPED {r} {expect}" in o for r, o in enumerate(outs)), outs and [o[-2000:] for o in outs]
+        assert outs and all(f"STEPPED {r} {expect}" in o for r, o in enumerate(outs)), \
+            outs and [o[-2000:] for o in outs]
     else:
         assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
 
@@ -334,7 +349,8 @@ def test_test_ports_are_below_the_ephemeral_range_and_apart_per_process():
     from conftest import ROOT, free_port
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     here = [free_port() for _ in range(20)]
-    code = "import sys\nsys.path.insert(0, 'tests')\nfrom conftest import free_port\nprint(*[free_port() for _ in range(20)])"
+    code = ("import sys\nsys.path.insert(0, 'tests')\nfrom conftest import free_port\n"
+            "print(*[free_port() for _ in range(20)])")
     there = [int(p) for p in subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                             check=True, env=dict(os.environ, PYTEST_XDIST_WORKER="gw0")).stdout.split()]
     assert all(p < low for p in here + there) and len(set(here)) == len(set(there)) == 20, (here, there)

@@ -14,15 +14,15 @@ pytestmark = pytest.mark.launch   # every test here runs the launcher or builds 
 # test_vllm_agreement.py, TIE)
 BOUND = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1}
 # What every seed of docs/demos.md's reports reaches, and no image-blind policy can (colour: 0.30, grounding: 0.36);
-# the zoom and motion demos' bar (issue 45), which their controls (no tool, the first frame alone) never reach
+# the zoom and motion demos' bar, which their controls (no tool, the first frame alone) never reach
 COLOUR_BAR, GROUNDING_BAR, ZOOM_BAR, MOTION_BAR = 0.45, 0.9, 0.8, 0.8
 
 
 def test_two_process_run(tmp_path, tiny_default):
     """The README's command (`deepspeed --num_gpus 2 train.py`, the runner included) for a short run: every
     step's numbers logged, vLLM in step with the trainer, validation, the plot and the wandb run."""
-    rows, log = launch(tmp_path, *FAST, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2", "--log_completions_steps", "2",
-                       "--report_to", "wandb", "--run_name", "e2e", runner=True)
+    rows, log = launch(tmp_path, *FAST, "--max_steps", "3", "--val_freq", "2", "--num_iterations", "2",
+                       "--log_completions_steps", "2", "--report_to", "wandb", "--run_name", "e2e", runner=True)
     port = re.search(r"--master_port=(\d+)", log).group(1)   # this job's buffers only: another test's may come and go
     left = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
     assert not left   # DeepSpeed's ~70 MB per rank in /dev/shm: removed at exit
@@ -86,19 +86,23 @@ def test_demo_learns(tmp_path, tiny_default):
     ["--offload_optimizer", "--sleep_level", "1", "--gc_collect_after_offload", "--freeze_vision_tower",
      "--sync_bucket_mb", "0", "--logprob_chunk_tokens", "2", "--ref_offload", "--limit_images", "1",
      "--max_pixels", "3136", "--min_pixels", "784", "--gradient_checkpointing",
-     "--max_completion_length", "6", "--reward_funcs", "length_penalty"],   # completions of 1-6 tokens: each rank's widths
+     # completions of 1-6 tokens: each rank's widths
+     "--max_completion_length", "6", "--reward_funcs", "length_penalty"],
     # no reference model, no checkpointing, the other loss and advantage switches; validation every step, scored
     # like training (length_penalty reads the lengths: a 1-token answer at --max_completion_length 1 scores -1)
     ["--beta", "0", "--no-gradient_checkpointing", "--no-gc_collect_after_offload", "--sleep_level", "2",
      "--loss_agg", "sequence", "--scale_rewards", "none", "--epsilon_high", "0.28", "--num_iterations", "2",
-     "--zero_offload", "none", "--reward_funcs", "accuracy", "length_penalty", "--max_completion_length", "1", "--val_freq", "1"],
+     "--zero_offload", "none", "--reward_funcs", "accuracy", "length_penalty", "--max_completion_length", "1",
+     "--val_freq", "1"],
     # vLLM tensor parallel across both ranks: one engine shard per rank, the same requests on each; each
     # group's prompt and image encoded once in the policy's and the reference's forward; top-k sampling on both
     # sides, REINFORCE++-baseline advantages
     ["--vllm_tensor_parallel_size", "2", "--shared_prefix", "--memory", "auto", "--top_k", "5", "--temperature", "0.8",
      "--advantage_estimator", "reinforce_plus_plus_baseline"],
-    # LoRA with the adapter alone sent to vLLM each step, the reference as the adapter switched off; the KL in the reward
-    ["--use_peft", "--lora_sync", "adapter", "--lora_r", "8", "--freeze_vision_tower", "--num_iterations", "2", "--kl_in_reward"],
+    # LoRA with the adapter alone sent to vLLM each step, the reference as the adapter switched off;
+    # the KL in the reward
+    ["--use_peft", "--lora_sync", "adapter", "--lora_r", "8", "--freeze_vision_tower", "--num_iterations", "2",
+     "--kl_in_reward"],
 ], ids=["levers", "switches", "vllm_tp2", "lora_adapter"])
 def test_flags_run_end_to_end(tmp_path, tiny_default, flags):
     rows, log = launch(tmp_path, *FAST, "--max_steps", "2", "--val_freq", "0", "--no-save_final_model", *flags)
@@ -139,7 +143,8 @@ def test_grounding_prior_writes_only_the_four_boxes():
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt, n = tiny.box_prompt(proc)
     rows, _ = [json.loads(line) for line in open(val_jsonl)][:8], torch.manual_seed(0)
-    images = [Image.open(os.path.join(os.path.dirname(val_jsonl), r["image"])).convert("RGB") for r in rows for _ in range(8)]
+    images = [Image.open(os.path.join(os.path.dirname(val_jsonl), r["image"])).convert("RGB")
+              for r in rows for _ in range(8)]
     with torch.no_grad():
         out = model.generate(**proc(text=[prompt] * len(images), images=images, return_tensors="pt"), do_sample=True,
                              max_new_tokens=16)
@@ -160,7 +165,8 @@ def test_grounding_demo_learns(tmp_path):
     blind = blind_best(val_jsonl)
     rows, val = learns(tmp_path, "val/iou", GROUNDING_BAR, "--tiny_task", "grounding")
     assert all(r["reward/iou_failures"] == 0 for r in rows if "reward/mean" in r)   # every solution parsed
-    assert val[0][1] <= blind + 1e-6 and GROUNDING_BAR >= blind + 0.3 and max(v for _, v in val) >= GROUNDING_BAR, (val, blind)
+    assert val[0][1] <= blind + 1e-6 and GROUNDING_BAR >= blind + 0.3 and max(v for _, v in val) >= GROUNDING_BAR, \
+        (val, blind)
 
 
 def test_motion_demo_learns(tmp_path):
@@ -172,7 +178,8 @@ def test_motion_demo_learns(tmp_path):
     val_jsonl = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="motion")[2]
     blind = blind_best(val_jsonl)
     _, val = learns(tmp_path, "val/reward", MOTION_BAR, "--tiny_task", "motion")
-    assert val[0][1] <= blind + 1e-6 and MOTION_BAR >= blind + 0.3 and max(v for _, v in val) >= MOTION_BAR, (val, blind)
+    assert val[0][1] <= blind + 1e-6 and MOTION_BAR >= blind + 0.3 and max(v for _, v in val) >= MOTION_BAR, \
+        (val, blind)
 
 
 def test_zoom_demo_learns(tmp_path):
@@ -215,7 +222,8 @@ def test_text_only_rank_beside_an_image_rank(tmp_path, arch):
                       "--max_prompt_length", "64", "--max_completion_length", "2", "--min_pixels", str(grid ** 2),
                       "--max_pixels", str(4 * grid ** 2), "--rollout_batch_size", "4", "--num_generations", "4",
                       "--max_steps", "3", "--val_freq", "0", "--no-save_final_model", "--no-val_before_train",
-                      "--vllm_tensor_parallel_size", "2", "--logprob_chunk_tokens", "1", *ZERO3_SMALL)   # chunk calls gather
+                      # chunk calls gather
+                      "--vllm_tensor_parallel_size", "2", "--logprob_chunk_tokens", "1", *ZERO3_SMALL)
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3] and "skipped" not in log
     assert max(r["rollout/logp_diff_max"] for r in train_rows) < BOUND.get(arch, 1e-4)
@@ -231,17 +239,19 @@ def test_logged_numbers_do_not_depend_on_the_micro_batch(tmp_path, tiny_default)
     budget (--micro_batch_tokens: micro-batches of unequal counts; the shared prefix falls back), and with
     one sequence per completion (--no-shared_prefix) as with each group's prompt encoded once (the default)
     (before, kl and clip_frac averaged per-micro-batch means: 1% to 1.6% apart)."""
-    flags = ["--num_generations", "4", "--rollout_batch_size", "8", "--beta", "0.04", "--max_steps", "1", "--val_freq", "0",
-             "--num_iterations", "2", "--no-save_final_model", "--learning_rate", "0.02", "--max_completion_length", "6",
-             "--reward_funcs", "length_penalty"]   # lengths vary: rewards spread
+    flags = ["--num_generations", "4", "--rollout_batch_size", "8", "--beta", "0.04", "--max_steps", "1",
+             "--val_freq", "0", "--num_iterations", "2", "--no-save_final_model", "--learning_rate", "0.02",
+             "--max_completion_length", "6", "--reward_funcs", "length_penalty"]   # lengths vary: rewards spread
     small, _ = launch(tmp_path / "mb8", *flags, "--per_device_train_batch_size", "8", procs=1)
     large, _ = launch(tmp_path / "mb32", *flags, "--per_device_train_batch_size", "32", procs=1)
-    budget, log = launch(tmp_path / "tokens", *flags, "--per_device_train_batch_size", "8", "--micro_batch_tokens", "150",
-                         procs=1)   # micro-batches of unequal counts
-    standard, _ = launch(tmp_path / "standard", *flags, "--per_device_train_batch_size", "8", "--no-shared_prefix", procs=1)
+    budget, log = launch(tmp_path / "tokens", *flags, "--per_device_train_batch_size", "8",
+                         "--micro_batch_tokens", "150", procs=1)   # micro-batches of unequal counts
+    standard, _ = launch(tmp_path / "standard", *flags, "--per_device_train_batch_size", "8", "--no-shared_prefix",
+                         procs=1)
     assert "--shared_prefix falls back to one sequence per completion: --micro_batch_tokens" in log
     a, b = small[-1], large[-1]
-    assert budget[-1]["update/padded_frac"] != standard[-1]["update/padded_frac"]   # the budget made other micro-batches
+    # the budget made other micro-batches
+    assert budget[-1]["update/padded_frac"] != standard[-1]["update/padded_frac"]
     assert a["update/padded_frac"] != standard[-1]["update/padded_frac"]            # the shared prefix: other rows
     assert a["train/clip_frac"] > 0 and a["train/kl"] > 0      # the second iteration moved the policy
     assert a["completion/length"] not in (1.0, 6.0)            # micro-batches hold different token counts

@@ -119,8 +119,8 @@ def test_trls_other_loss_types_are_refused_saying_how_they_differ(loss_type, cap
     err = capsys.readouterr().err
     assert f"--loss_type {loss_type}: " in err and ("micro-batch" in err if loss_type == "bnpo" else "not built" in err)
 def test_every_flag_is_on_one_side_of_the_resume_rule():
-    """Issue 44: the refused flags were a list of their own (checkpoint.CHANGES_THE_STATE), and flags were forgotten: --limit_videos,
-    --router_aux_loss_coef and --routing_replay changed on a relaunch were applied, and --video_fps /
+    """The refused flags were a list of their own (checkpoint.CHANGES_THE_STATE), and flags were forgotten:
+    --limit_videos, --router_aux_loss_coef and --routing_replay changed on a relaunch were applied, and --video_fps /
     --video_max_frames were applied while their image counterparts were refused. Every flag of the parser is now in
     flags.CHANGES_THE_STATE (refused on a resume) or flags.STEERS (applied and said), never both, and a new flag in
     neither fails here; flags.changed_flags refuses the video flags as it refuses the image ones."""

@@ -52,7 +52,7 @@ def test_find_gpu_reads_device_files_and_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_a_gpu_that_torch_cannot_use_fails_and_names_the_interpreter(tmp_path):
-    """The issue's case: a GPU box where `make test` made .venv, the CPU stack, which `make gpu-check` then
+    """The reported case: a GPU box where `make test` made .venv, the CPU stack, which `make gpu-check` then
     picks. With a fake nvidia-smi on PATH (through make) or a fake /dev/nvidia0 (gpu_check.py --dev) and this
     CPU torch it exits 2 and says which interpreter ran and how to name another; with neither it exits 0."""
     assert torch.version.cuda is None and not torch.cuda.is_available()

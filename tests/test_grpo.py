@@ -121,7 +121,8 @@ def test_chunked_logps_equal_naive(grad, chunks):
     naive = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     calls = []
     hook = head.register_forward_hook(lambda *a: calls.append(1))
-    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7), chunk_tokens=4, chunks=chunks, with_kept=True)
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7), chunk_tokens=4, chunks=chunks,
+                          with_kept=True)
     hook.remove()
     assert len(calls) == (chunks or 6)
     chunked, kept = ts.logps, ts.log_kept
@@ -143,8 +144,8 @@ def test_entropy_comes_from_the_same_chunks(grad):
     logits = (head(hidden).float() / 0.7).index_fill(-1, banned, float("-inf"))
     p = torch.softmax(logits, -1)
     naive = -(p * torch.log_softmax(logits, -1).nan_to_num(neginf=0.0)).sum(-1)            # (3, 7)
-    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())), chunk_tokens=4,
-                          with_entropy=True)
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())),
+                          chunk_tokens=4, with_entropy=True)
     assert torch.allclose(ts.entropy, naive, atol=1e-5)
     assert grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7), chunk_tokens=4).entropy is None
     if grad:
@@ -173,15 +174,15 @@ def test_the_chunks_backward_is_autograds_of_the_full_logits(dtype):
     logp = torch.log_softmax(logits, -1)
     naive_h = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
     want = grads((a * logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) + b * naive_h).sum())
-    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())), chunk_tokens=4,
-                          with_entropy=True)
+    ts = grpo.token_logps(head, hidden, ids, grpo.Sampling(temperature=0.7, banned=tuple(banned.tolist())),
+                          chunk_tokens=4, with_entropy=True)
     got = grads((a * ts.logps + b * ts.entropy).sum())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert all(torch.allclose(g, w, atol=tol, rtol=tol) for g, w in zip(got, want))
 
 
 def test_a_chunk_makes_few_vocabulary_sized_buffers():
-    """Issue 42, point 11: the chunk's forward, its recompute and its backward (log-probs and entropy, T != 1, banned
+    """The chunk's forward, its recompute and its backward (log-probs and entropy, T != 1, banned
     ids, as the update runs them) make 7 tensors of a chunk's (n, V) logits' size: lm_head's output and the log-softmax
     twice (forward and recompute), the entropy's probabilities twice and the backward's one buffer. Autograd's own
     backward of the same math made 30, each a pass over memory and, on CPU, fresh pages: 2.6x the naive forward and
@@ -198,7 +199,8 @@ def test_a_chunk_makes_few_vocabulary_sized_buffers():
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
             self.ops += [str(func) for t in tree_flatten(out)[0]
-                         if torch.is_tensor(t) and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in inputs]
+                         if torch.is_tensor(t) and t.numel() >= self.numel
+                         and t.untyped_storage().data_ptr() not in inputs]
             return out
     torch.manual_seed(0)
     n, V = 64, 5000
@@ -219,7 +221,7 @@ def test_a_logged_entropy_keeps_no_recomputed_chunk_past_the_backward():
     """train.update asks for the entropy (logged as train/entropy) and, at --entropy_coef 0, never backpropagates it.
     With 75c8cf3's autograd math and the entropy's graph alive, torch.utils.checkpoint kept each chunk's recomputed
     softmax, masked logits and mask (9 B per row and vocabulary entry) until the stats were freed: 5 GB at 8 x 500
-    completion tokens on an H200 (issue 42). One chunk is now one node (grpo._VocabStats) that the loss's backward
+    completion tokens on an H200. One chunk is now one node (grpo._VocabStats) that the loss's backward
     frees, whatever else holds its outputs; and logged without a gradient (entropy_grad False, what
     learner.completion_logps asks at --entropy_coef 0) the entropy has no graph at all. Either way nothing stays, the
     values are the same, and a trained entropy still gets its gradient."""
@@ -248,7 +250,8 @@ def test_entropy_bonus_is_subtracted_per_token_and_logged():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
     base, m0 = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask, entropy=entropy)
-    bonus, m1 = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask, entropy=entropy, entropy_coef=0.1)
+    bonus, m1 = grpo.grpo_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask, entropy=entropy,
+                               entropy_coef=0.1)
     assert m0["entropy"] == m1["entropy"] == pytest.approx(15.0 / 5)           # token mean over the mask
     assert (bonus - base).item() == pytest.approx(-0.1 * 15.0 / 5)            # token aggregation: sum / tokens
 
@@ -279,7 +282,8 @@ def test_logps_of_the_distribution_the_sampler_drew_from(top_k, top_p):
     want = processed.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     inside = torch.isfinite(want)              # the sampler only draws tokens the truncation keeps
     assert inside.any() and torch.allclose((ts.logps - ts.log_kept)[inside], want[inside], atol=1e-5)
-    assert (ts.log_kept <= 1e-6).all() and grpo.token_logps(head, hidden, ids, sampling, chunk_tokens=3).log_kept is None
+    assert (ts.log_kept <= 1e-6).all()
+    assert grpo.token_logps(head, hidden, ids, sampling, chunk_tokens=3).log_kept is None
 
 
 def test_sampler_correction_compares_the_truncated_distributions():
@@ -362,7 +366,8 @@ def test_batch_std_comes_from_the_whole_batch():
     local, _ = grpo.group_advantages(rewards, 2, scale_rewards="batch")
     everyone = torch.tensor([0.0, 1.0, 1.0, 1.0, -3.0, 3.0])             # this rank's and another rank's group
     wider, _ = grpo.group_advantages(rewards, 2, scale_rewards="batch", everyone=everyone)
-    assert wider[:2].tolist() == pytest.approx([-0.5 / (everyone.std().item() + 1e-4), 0.5 / (everyone.std().item() + 1e-4)])
+    assert wider[:2].tolist() == pytest.approx([-0.5 / (everyone.std().item() + 1e-4),
+                                                0.5 / (everyone.std().item() + 1e-4)])
     assert local[0].item() == pytest.approx(-0.5 / (rewards.std().item() + 1e-4))
     assert grpo.needs_everyone("grpo", "batch") and not grpo.needs_everyone("grpo", "group")
 

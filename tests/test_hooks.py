@@ -1,4 +1,4 @@
-"""The hooks that paper changes use (issue 41), each with the friction that a fork met before it existed: parameters
+"""The hooks that paper changes use, each with the friction that a fork met before it existed: parameters
 edited in place under ZeRO-3 whatever their state, the reference as a part with its own state, rewards per token span
 and advantages per token, a loss from another forward in the same optimizer step, an estimator's own options; and the
 five changes built on them (--temperature_end, --pass_at_k, --ref_ema, the process-reward example, --sft_coef)."""
@@ -207,7 +207,8 @@ def test_sft_loss_is_one_mean_over_the_gold_tokens_at_any_micro_batch_size(parts
     zero = [[0.0] * G] * 4   # no RL signal: only the supervised loss moves the policy
     results = []
     for mb in (2, 8):
-        run, samples = make_run(parts, tmp_path / str(mb), sft_coef=0.5, temperature=0.5, per_device_train_batch_size=mb)
+        run, samples = make_run(parts, tmp_path / str(mb), sft_coef=0.5, temperature=0.5,
+                                per_device_train_batch_size=mb)
         groups = groups_of(samples, lengths, advantages=zero)
         batches = train.micro_batches(run, groups)
         for c in (c for g in groups for c in g.completions):
@@ -319,9 +320,11 @@ def test_the_paper_changes_run_and_resume_exactly(tmp_path):
         ["reference0.pt", "reference1.pt"]
     # the reference follows the policy: its parts differ from one step to the next (a --ref_ema that did nothing
     # would save the same reference at every checkpoint, and resume it as exactly)
-    parts = [torch.load(tmp_path / "whole" / f"checkpoint-{s}" / "reference0.pt", weights_only=True)["parts"] for s in (2, 3)]
+    parts = [torch.load(tmp_path / "whole" / f"checkpoint-{s}" / "reference0.pt", weights_only=True)["parts"]
+             for s in (2, 3)]
     assert any(not torch.equal(a, b) for a, b in zip(*parts))
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-3", ".owner.json"))
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed",
+                    ignore=shutil.ignore_patterns("checkpoint-3", ".owner.json"))
     resumed, log = launch(tmp_path / "resumed", *flags)
     assert "[resume] from" in log and "checkpoint-2" in log
     last = [r for r in whole if r["step"] == 3 and "reward/mean" in r]

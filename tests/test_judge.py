@@ -41,7 +41,8 @@ def configured():
 
 def test_replies_parse_into_scores_and_anything_else_fails():
     assert judge.parse("Yes.", "yes_no") == 1.0 and judge.parse("no, it is blue", "yes_no") == 0.0
-    assert judge.parse("Score: 0.75", "number") == 0.75 and judge.parse("I give it 7/10... final: 10", "score_1_10") == 1.0
+    assert judge.parse("Score: 0.75", "number") == 0.75
+    assert judge.parse("I give it 7/10... final: 10", "score_1_10") == 1.0
     for reply, parser in (("maybe", "yes_no"), ("", "yes_no"), ("1.5", "number"), ("eleven", "score_1_10"),
                           ("0", "score_1_10")):
         with pytest.raises(ValueError):

@@ -100,8 +100,9 @@ def test_a_few_trajectories_and_the_images_the_model_saw_go_to_the_run_folder(tm
     ids = processor.tokenizer("what colour", add_special_tokens=False)["input_ids"]
     groups = [train.Group(sample=dict(images=[shown], videos=[(frames, {})] if k == 0 else [], vllm_ids=ids,
                                       where=f"t.jsonl:{k + 1}", id=k),
-                          completions=[train.Completion(index=0, token_ids=ids, sampler_logps=[0.0] * len(ids), text="red",
-                                                        finish_reason="stop", calls=[("<tool_call>...", None, None)], images=[crop],
+                          completions=[train.Completion(index=0, token_ids=ids, sampler_logps=[0.0] * len(ids),
+                                                        text="red", finish_reason="stop",
+                                                        calls=[("<tool_call>...", None, None)], images=[crop],
                                                         rewards={"accuracy": 1.0}, total=1.0, advantage=0.5)])
               for k in range(3)]
     logs.log_completions(run, groups, step=4)   # not a logging step
@@ -109,13 +110,16 @@ def test_a_few_trajectories_and_the_images_the_model_saw_go_to_the_run_folder(tm
     logs.log_completions(run, groups, step=5)
     rows = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     assert [r["where"] for r in rows] == ["t.jsonl:1", "t.jsonl:2"] and rows[0]["prompt"] == "what colour"
-    assert rows[0]["completion"] == "red" and rows[0]["calls"] == [{"call": "<tool_call>...", "error": None, "kind": None}]
-    assert rows[0]["rewards"] == {"accuracy": 1.0} and rows[0]["advantage"] == 0.5 and rows[0]["trajectory"] == "what colour"
+    assert rows[0]["completion"] == "red"
+    assert rows[0]["calls"] == [{"call": "<tool_call>...", "error": None, "kind": None}]
+    assert rows[0]["rewards"] == {"accuracy": 1.0} and rows[0]["advantage"] == 0.5
+    assert rows[0]["trajectory"] == "what colour"
     assert rows[0]["images"] == ["completions/step_5/0_0_prompt.png", "completions/step_5/0_1_video.png",
                                  "completions/step_5/0_2_tool.png"] and len(rows[1]["images"]) == 2
     assert Image.open(tmp_path / rows[0]["images"][0]).getpixel((0, 0)) == (200, 0, 0)
     sheet = Image.open(tmp_path / rows[0]["images"][1])
-    assert sheet.size == (4 * 28, 28) and sheet.getpixel((2 * 28, 0)) == (255, 255, 255) and sheet.getpixel((0, 0)) == (0, 0, 0)
+    assert sheet.size == (4 * 28, 28) and sheet.getpixel((2 * 28, 0)) == (255, 255, 255)
+    assert sheet.getpixel((0, 0)) == (0, 0, 0)
     assert Image.open(tmp_path / rows[0]["images"][2]).getpixel((0, 0)) == (0, 0, 200)
     logs.log_completions(run, groups, step=10)
     run.wandb, run.wandb_failed, run.start = None, False, 5

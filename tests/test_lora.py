@@ -89,7 +89,8 @@ def test_lora_vision_and_target_flags_act():
         tiny_py.build_model(tied, arch="qwen3_vl", tied=True)
     with pytest.raises(SystemExit, match="ties lm_head to the token embedding"):
         model_py.trainable(model_py.load_model(tied, args, dtype), args)
-    for flags, msg in ((["--lora_vision"], "--lora_vision needs --use_peft"), (["--export_merged"], "--export_merged needs --use_peft"),
+    for flags, msg in ((["--lora_vision"], "--lora_vision needs --use_peft"),
+                       (["--export_merged"], "--export_merged needs --use_peft"),
                        (["--use_peft", "--lora_vision", "--freeze_vision_tower"], "freeze")):
         with pytest.raises(SystemExit, match=msg):
             train.check_args(train.parse_args(["--num_generations", "4", *flags]), 1)
@@ -129,8 +130,10 @@ def test_frozen_vision_parts_get_no_gradient_and_no_optimizer_state(world1, flag
     policy = model_py.trainable(model_py.load_model(model_dir, args, dtype), args)
     part = {"tower": lambda n: ".visual." in n and ".merger." not in n, "visual": lambda n: ".visual." in n,
             "merger": lambda n: ".visual.merger." in n}[frozen]
-    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == {n for n, _ in policy.named_parameters() if part(n)}
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} \
+        == {n for n, _ in policy.named_parameters() if part(n)}
+    engine, *_ = deepspeed.initialize(model=policy,
+                                      model_parameters=[p for p in policy.parameters() if p.requires_grad],
                                       config=cfg, lr_scheduler=model_py.lr_schedule(args))
 
     def snapshot():
@@ -144,7 +147,8 @@ def test_frozen_vision_parts_get_no_gradient_and_no_optimizer_state(world1, flag
     trainable = sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad)
     assert sum(g.numel() for g in engine.optimizer.fp32_partitioned_groups_flat) == trainable
     assert all(torch.equal(before[n], after[n]) for n in before if part(n))
-    assert any(not torch.equal(before[n], after[n]) for n in before if ".visual." in n and not part(n)) or frozen == "visual"
+    assert any(not torch.equal(before[n], after[n]) for n in before if ".visual." in n and not part(n)) \
+        or frozen == "visual"
     assert any(not torch.equal(before[n], after[n]) for n in before if ".language_model." in n)
 
 
@@ -168,9 +172,11 @@ def test_merged_weights_are_the_base_names_and_w_plus_scaled_ba():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("flags", [["--use_peft"], ["--use_peft", "--lora_vision", "--lora_r", "4"], ["--freeze_vision_tower"],
+@pytest.mark.parametrize("flags", [["--use_peft"], ["--use_peft", "--lora_vision", "--lora_r", "4"],
+                                   ["--freeze_vision_tower"],
                                    ["--use_peft", "--lora_target_modules", "q_proj", "lm_head"],
-                                   ["--freeze_vision_tower", "--freeze_projector"]], ids=["lora", "lora_vision", "lora_head", "tower", "visual"])
+                                   ["--freeze_vision_tower", "--freeze_projector"]],
+                         ids=["lora", "lora_vision", "lora_head", "tower", "visual"])
 def test_the_plan_counts_what_trains(arch, flags):
     """planner.trainable_params (gradients, fp32 master and Adam are sized by it) from the config's shapes
     alone equals what model.trainable leaves trainable, for every family; with LoRA the plan has no

@@ -104,7 +104,7 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("task", ["colour", "grounding", "zoom", "motion"])
 def test_every_tiny_task_builds_and_saves_the_published_layout(built, task, arch):
-    """Issue 44: the grounding and zoom models are taught after build_model saves them, and the teaching saved them
+    """The grounding and zoom models are taught after build_model saves them, and the teaching saved them
     again with save_pretrained, in transformers' layout: Qwen3-VL-MoE's experts untransposed, so vLLM failed at its
     start ("size of tensor a (64) must match (128)"; grounding: 256 vs 512) and `make demo TASK=zoom
     ARCH=qwen3_vl_moe` was broken; and the grounding model of the Qwen3.5 families (whose BPE writes a number's
@@ -329,7 +329,7 @@ def test_the_planner_counts_every_expert_for_memory_and_the_active_ones_for_comp
 
 
 def test_memory_plan_of_qwen3_5_35b_a3b_on_one_node_chooses_and_fits(capsys, monkeypatch):
-    """The issue's command: `python memory.py plan --model Qwen/Qwen3.5-35B-A3B --gpus_per_node 8 --gpu_gb 80
+    """The reported command: `python memory.py plan --model Qwen/Qwen3.5-35B-A3B --gpus_per_node 8 --gpu_gb 80
     --host_gb 1024 --memory auto` gives a verdict and a choice (Qwen3.6-35B-A3B plans as the same shape)."""
     import planner
     for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):   # a session's vLLM engine sets them; the command runs outside one
@@ -344,7 +344,7 @@ def test_memory_plan_of_qwen3_5_35b_a3b_on_one_node_chooses_and_fits(capsys, mon
 def test_a_manual_plan_of_qwen3_5_35b_a3b_agrees_with_memory_auto(capsys, monkeypatch):
     """Qwen3.5-35B-A3B (65.4 GB of bf16 weights) on 8 x 80 GB with the defaults (vLLM's share 0.3, TP 1): vLLM cannot
     hold its weights. The manual plan said to raise the share to 0.86 in one line and to lower it to 0.15 in its
-    levers, and never named tensor parallelism, which --memory auto chose (issue 42). Now its levers rank what fixes
+    levers, and never named tensor parallelism, which --memory auto chose. Now its levers rank what fixes
     the share (TP 4 and 8 first; the share raised to what the verdict names, never halved) and it names auto's
     choice."""
     import planner
@@ -542,7 +542,7 @@ def test_replayed_routing_keeps_the_router_trainable(arch):
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_a_recorded_routing_that_is_no_top_k_is_refused(arch):
-    """Issue 42, point 9: the routing handed to the training forward must be a top-k of each sparse layer's experts,
+    """The routing handed to the training forward must be a top-k of each sparse layer's experts,
     k distinct ids below their count. vLLM's zeros where its capture did not write (a failed capture) would send every
     token through expert 0, k times, and an id past the experts would fail deep in the router's gather; both are
     refused by name before replaying. The router's own choice passes. Fails before: the zeros replay silently."""
@@ -694,7 +694,7 @@ def test_the_engine_arguments_and_the_refusals():
 
 
 def test_routing_replay_turns_async_scheduling_off_on_cuda(monkeypatch):
-    """Issue 42, point 6: on CUDA vLLM runs the in-process engine with async scheduling unless told (vllm/config/
+    """On CUDA vLLM runs the in-process engine with async scheduling unless told (vllm/config/
     vllm.py, 1585-1644: the external_launcher executor supports it); a request that ends by a stop token then leaves
     an already-scheduled batch whose routing output is still pending when generate returns, and the routing
     connector's generation change at the next reset_prefix_cache (the sync) fails its `assert not
@@ -753,7 +753,7 @@ def test_the_gpu_check_item_runs_parse():
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_the_gpu_check_replay_runs_end_by_a_stop_token(arch):
-    """gpu_check's routing_replay runs must end every completion by a stop token (issue 42: only then does the last
+    """gpu_check's routing_replay runs must end every completion by a stop token (only then does the last
     one leave a queued batch behind). The tiny model's probability of its stop tokens, the banned ids at 0, along a
     sampled completion of a prompt of the run's task: the chance that any completion of a step runs to the runs'
     --max_completion_length at the lowest of them is below 1e-4; and the runs still fit one 80 GB GPU's plan."""
@@ -768,14 +768,16 @@ def test_the_gpu_check_replay_runs_end_by_a_stop_token(arch):
     stops = GenerationConfig.from_pretrained(model_dir).eos_token_id
     banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
     row = data.read_jsonl(train_jsonl)[0]
-    ids = data.prepare({"question": row["question"], "solution": "x", "_where": "t:0"}, processor, args)["hf"]["input_ids"]
+    ids = data.prepare({"question": row["question"], "solution": "x", "_where": "t:0"}, processor,
+                       args)["hf"]["input_ids"]
     generator, p_stop = torch.Generator().manual_seed(0), []
     for _ in range(32):
         with torch.no_grad():
             logits = m.lm_head(m.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]).float()
         p = logits.index_fill(0, torch.tensor(banned), float("-inf")).softmax(-1)
         p_stop.append(p[stops].sum().item())
-        ids = torch.cat([ids, torch.multinomial(p.index_fill(0, torch.tensor(stops), 0.0), 1, generator=generator)[None]], 1)
+        ids = torch.cat([ids, torch.multinomial(p.index_fill(0, torch.tensor(stops), 0.0), 1,
+                                                generator=generator)[None]], 1)
     completions = args.rollout_batch_size * args.num_generations
     assert completions * (1 - min(p_stop)) ** args.max_completion_length < 1e-4, (min(p_stop), completions)
     args.model = model_dir   # train.py's preflight

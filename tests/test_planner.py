@@ -142,7 +142,7 @@ def test_the_log_prob_chunks_moment_is_torchs_on_cpu():
 
 
 # ----------------------------------------------------------------------------- the update, measured on an H200
-# Issue 42: the update of Qwen2.5-VL-3B and 7B on one H200 at 75c8cf3 (torch 2.11; random weights, a plain module, bf16,
+# The update of Qwen2.5-VL-3B and 7B on one H200 at 75c8cf3 (torch 2.11; random weights, a plain module, bf16,
 # sdpa, 8 prompts x 8 completions): torch's peak less the weights and their gradients (GiB), and the update's seconds.
 H200_UPDATE = {   # name: (model, checkpointing, shared prefix, peak - weights - grads, seconds)
     "3B shared prefix": ("qwen2.5-vl-3b", True, True, 7.43, 10.6),
@@ -152,7 +152,7 @@ H200_UPDATE = {   # name: (model, checkpointing, shared prefix, peak - weights -
     "7B shared prefix, no checkpointing": ("qwen2.5-vl-7b", False, True, 43.79, 6.9),
 }
 # The micro-batches that can peak there, (rows, tokens per row, longest completion, image tokens per row), estimated
-# from the workload the issue states (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image;
+# from the workload measured (prompts of 1,157-1,430 tokens, each all but 121-134 of them one image;
 # completions of 200-500) and its token totals (31,664 with the shared prefix, 106,568 without): the mean over draws
 # that give those totals (docs/memory.md) of the longest shared-prefix row, of the row with the longest completion,
 # and of the standard layout's last micro-batch (the longest sequences: train.micro_batches sorts them).
@@ -209,7 +209,7 @@ def test_cost_reproduces_the_h200_update_times(name):
     added a third (5.3 s against 3.9 s), so --memory auto took it for cheaper than it is."""
     model, gc, prefix, _, seconds = H200_UPDATE[name]
     s = planner.model_shape(model)
-    tokens, images = (31664, 8 * 1166) if prefix else (106568, 64 * 1166)   # the issue's totals; images of 1,036-1,296
+    tokens, images = (31664, 8 * 1166) if prefix else (106568, 64 * 1166)   # the measured totals; images of 1,036-1,296
     t = planner.compute_seconds(s, s["n_active"], tokens, images, gc) + 8 * (2 + gc) * planner.COST["pass_overhead_s"]
     assert t == pytest.approx(seconds, rel=0.15), (name, t, seconds)
 
@@ -219,7 +219,7 @@ def test_the_sync_counts_vllms_fresh_copy_of_its_largest_module():
     of them have arrived, then copies it into place: run on CPU through vLLM's own layerwise reload, the peak is the
     largest module's parameters, exactly. For a mixture-of-experts model that is a layer's experts (one FusedMoE
     module): 1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B, 4.8 GB for 122B-A10B and 235B-A22B, 12.9 GB for
-    397B-A17B, split over vLLM's TP ranks, in the sync phase beside the gathered bucket (issue 42); for a dense model
+    397B-A17B, split over vLLM's TP ranks, in the sync phase beside the gathered bucket; for a dense model
     the embedding."""
     import types
 
@@ -287,7 +287,8 @@ def test_routing_replay_counts_vllms_store_and_the_replayed_experts():
 def test_a_run_that_cannot_fit_is_named_with_its_levers():
     """The 7B write-up: 8 x H100, 251 GB host, ZeRO-3 offload and vLLM level-1 sleep: host OOM."""
     args = train.parse_args(["--model", "7b", "--num_generations", "8", "--rollout_batch_size", "64",
-                             "--per_device_train_batch_size", "4", "--max_completion_length", "1024", "--sleep_level", "1"])
+                             "--per_device_train_batch_size", "4", "--max_completion_length", "1024",
+                             "--sleep_level", "1"])
     cluster = planner.Cluster(gpus_per_node=8, gpu_gb=80, host_gb=251)
     pl = planner.plan(args, cluster)
     fits, why = planner.verdict(pl, cluster)
@@ -301,8 +302,8 @@ def test_a_run_that_cannot_fit_is_named_with_its_levers():
 
 def test_memory_py_plan_and_train_py_plan():
     cmd = [sys.executable, "memory.py", "plan", "--model", "7b", "--num_generations", "8", "--gpus_per_node", "1",
-           "--gpu_gb", "80", "--host_gb", "256", "--max_completion_length", "1024", "--per_device_train_batch_size", "1",
-           "--sleep_level", "2", "--beta", "0"]
+           "--gpu_gb", "80", "--host_gb", "256", "--max_completion_length", "1024",
+           "--per_device_train_batch_size", "1", "--sleep_level", "2", "--beta", "0"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = r.stdout
     assert "[plan] 8.29B parameters" in out and "update" in out and "vLLM pool" in out, r.stderr[-2000:]
@@ -318,10 +319,11 @@ def test_memory_py_plan_help_lists_the_cluster_flags_and_says_where_it_wrote(tmp
     with pytest.raises(SystemExit) as done:
         planner.parse(["--help"])
     out = capsys.readouterr().out
-    assert done.value.code == 0 and all(f in out for f in ("--gpus_per_node", "--nodes", "--gpu_gb", "--host_gb", "--png",
-                                                            "--json", "--cpu", "--num_generations"))
+    assert done.value.code == 0 and all(f in out for f in ("--gpus_per_node", "--nodes", "--gpu_gb", "--host_gb",
+                                                            "--png", "--json", "--cpu", "--num_generations"))
     png, js = tmp_path / "plan.png", tmp_path / "plan.json"
-    planner.main(["--model", "7b", "--gpus_per_node", "8", "--host_gb", "20.2576", "--png", str(png), "--json", str(js)])
+    planner.main(["--model", "7b", "--gpus_per_node", "8", "--host_gb", "20.2576", "--png", str(png),
+                  "--json", str(js)])
     out = capsys.readouterr().out
     assert png.exists() and js.exists() and f"[plan] drawn: {png}" in out and f"[plan] written: {js}" in out
     assert "20.3 GB host RAM per node" in out and "20.2576" not in out
@@ -375,7 +377,8 @@ def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, siz
     args = train.parse_args(["--tiny_size", size, "--beta", beta, *RUN])
     import tiny
     args.model = tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), size=size)[0]
-    plan = {ph: host / GB for ph, (_, host) in planner.peaks(planner.plan(args, planner.Cluster(procs, cuda=False))).items()}
+    peaks = planner.peaks(planner.plan(args, planner.Cluster(procs, cuda=False)))
+    plan = {ph: host / GB for ph, (_, host) in peaks.items()}
     measured = {}
     for r in rows:
         for k, v in r.items():
@@ -383,7 +386,8 @@ def test_host_plan_within_15_percent_of_measured_rss(tmp_path, tiny_default, siz
                 measured[k.split("/")[1]] = max(measured.get(k.split("/")[1], 0), v)
     compared = [ph for ph in planner.PHASES if ph in measured]
     assert {"sync", "rollout", "old_ref_logps", "update", "validation", "checkpoint"} <= set(compared)
-    off = {ph: (round(measured[ph], 2), round(plan[ph], 2)) for ph in compared if abs(plan[ph] / measured[ph] - 1) > 0.15}
+    off = {ph: (round(measured[ph], 2), round(plan[ph], 2)) for ph in compared
+           if abs(plan[ph] / measured[ph] - 1) > 0.15}
     assert not off, off
 
 
@@ -414,7 +418,8 @@ def test_vllms_kv_room_and_the_gpu_residual_follow_vllms_own_accounting(monkeypa
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.worker import gpu_worker
     src = inspect.getsource(gpu_worker.Worker.determine_available_memory)
-    assert "self.requested_memory\n            - profile_result.non_kv_cache_memory\n            - cudagraph_memory_estimate_applied" in src
+    assert ("self.requested_memory\n            - profile_result.non_kv_cache_memory\n"
+            "            - cudagraph_memory_estimate_applied") in src
     plat = arg_utils.current_platform
     monkeypatch.setattr(plat, "is_cpu", lambda: False)
     monkeypatch.setattr(plat, "get_device_name", lambda device_id=0: "NVIDIA H100 80GB HBM3")
@@ -438,7 +443,8 @@ def test_vllms_kv_room_and_the_gpu_residual_follow_vllms_own_accounting(monkeypa
         ph = planner.plan(train.parse_args(flags + ["--sleep_level", str(level)]), cluster, s)["phases"]
         assert ph["sync"]["gpu"]["vLLM CUDA graphs (woken with weights)"] == planner.GB
         assert ph["update"]["host"]["vLLM CUDA graphs sleep copy (pinned)"] == 8 * 52 * 32 * 2 ** 20
-        ph = planner.plan(train.parse_args(flags + ["--sleep_level", str(level), "--vllm_enforce_eager"]), cluster, s)["phases"]
+        eager_args = train.parse_args(flags + ["--sleep_level", str(level), "--vllm_enforce_eager"])
+        ph = planner.plan(eager_args, cluster, s)["phases"]
         assert not any("CUDA graphs" in k for t in ph.values() for place in t.values() for k in place)
 
 
@@ -447,18 +453,21 @@ def test_no_checkpoint_phase_when_nothing_is_saved_and_the_host_has_a_margin():
     host RAM) never runs, so it must not decide the verdict; it did alone for 7B on 8 x 80 GB with
     256 GB of host RAM. And the host side is planned against HOST_MARGIN of the RAM, not all of it."""
     cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=256, cuda=True)
-    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--offload_optimizer", "--offload_model",
-             "--ds_set", 'zero_optimization.offload_param={"device": "none"}', 'zero_optimization.offload_optimizer={"device": "none"}']
+    flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--offload_optimizer",
+             "--offload_model", "--ds_set", 'zero_optimization.offload_param={"device": "none"}',
+             'zero_optimization.offload_optimizer={"device": "none"}']
     s = planner.model_shape("qwen2.5-vl-7b")
     saving = planner.plan(train.parse_args(flags), cluster, s)
     quiet = planner.plan(train.parse_args(flags + ["--save_steps", "0", "--no-save_final_model"]), cluster, s)
-    assert "checkpoint" in saving["phases"] and "checkpoint" not in quiet["phases"] and planner.NO_SAVE in quiet["notes"]
+    assert "checkpoint" in saving["phases"] and "checkpoint" not in quiet["phases"]
+    assert planner.NO_SAVE in quiet["notes"]
     host = {ph: h for ph, (_, h) in planner.peaks(saving).items()}
     assert max(host, key=host.get) == "checkpoint"
     between = planner.Cluster(8, 1, 80, (host["checkpoint"] + max(v for k, v in host.items() if k != "checkpoint")) / 2
                               / planner.GB / planner.HOST_MARGIN, cuda=True)
     assert not planner.verdict(planner.plan(train.parse_args(flags), between, s), between)[0]
-    assert planner.verdict(planner.plan(train.parse_args(flags + ["--save_steps", "0", "--no-save_final_model"]), between, s), between)[0]
+    no_save = train.parse_args(flags + ["--save_steps", "0", "--no-save_final_model"])
+    assert planner.verdict(planner.plan(no_save, between, s), between)[0]
     edge = planner.Cluster(8, 1, 80, max(host.values()) / planner.GB / 0.95, cuda=True)   # fits in 95%, not in 90%
     fits, lines = planner.verdict(planner.plan(train.parse_args(flags), edge, s), edge)
     assert not fits and "90% of" in "\n".join(lines)
@@ -487,7 +496,8 @@ def test_the_sync_phase_holds_vllms_weights_not_its_pool_when_it_sleeps():
     cluster = planner.Cluster(gpus_per_node=4, nodes=1, gpu_gb=40, host_gb=512, cuda=True)
     s = planner.model_shape("qwen2.5-vl-3b")
     for level in (1, 2):
-        flags = ["--model", "qwen2.5-vl-3b", "--bf16", "--sleep_level", str(level), "--vllm_gpu_memory_utilization", "0.6"]
+        flags = ["--model", "qwen2.5-vl-3b", "--bf16", "--sleep_level", str(level),
+                 "--vllm_gpu_memory_utilization", "0.6"]
         sync = planner.plan(train.parse_args(flags), cluster, s)["phases"]["sync"]["gpu"]
         assert "vLLM pool (weights + KV cache)" not in sync
         assert sync["vLLM weights (woken for the sync; KV cache after the offload)"] == s["n"] * 2
@@ -505,8 +515,8 @@ def test_a_token_budget_bounds_the_update_activations():
              "--max_completion_length", "1024", "--per_device_train_batch_size", "4", "--no-shared_prefix"]
     s = planner.model_shape("qwen2.5-vl-7b")
     act = {}
-    for name, extra in (("mb4", []), ("mb1", ["--per_device_train_batch_size", "1"]), ("4k", ["--micro_batch_tokens", "4096"]),
-                        ("8k", ["--micro_batch_tokens", "8192"])):
+    for name, extra in (("mb4", []), ("mb1", ["--per_device_train_batch_size", "1"]),
+                        ("4k", ["--micro_batch_tokens", "4096"]), ("8k", ["--micro_batch_tokens", "8192"])):
         act[name] = planner.plan(train.parse_args(flags + extra), cluster, s)["phases"]["update"]["gpu"]["activations"]
     assert act["mb1"] < act["4k"] < act["8k"] < act["mb4"], act
     a = planner.activation_bytes(s, 2, True)
@@ -561,19 +571,20 @@ def auto(flags, cluster, model="qwen2.5-vl-7b"):
 
 
 def test_the_step_time_model_charges_every_lever():
-    """planner.step_seconds: each lever that saves memory costs time, in the order the issue asks the
-    choice to try them: no offload < sleep level 2 < level 1; during-rollout offload < static optimizer
+    """planner.step_seconds: each lever that saves memory costs time, in the order the choice is
+    meant to try them: no offload < sleep level 2 < level 1; during-rollout offload < static optimizer
     offload < static offload of everything; checkpointing and a smaller micro-batch cost; a larger vLLM
     share costs nothing more (fewer waves when the rollout needs them)."""
     cluster = planner.Cluster(gpus_per_node=8, nodes=1, gpu_gb=80, host_gb=1024, cuda=True)
     s = planner.model_shape("qwen2.5-vl-7b")
-    base = ["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none", "--no-gradient_checkpointing", "--no-ref_offload",
-            "--rollout_batch_size", "64", "--per_device_train_batch_size", "8"]
+    base = ["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none", "--no-gradient_checkpointing",
+            "--no-ref_offload", "--rollout_batch_size", "64", "--per_device_train_batch_size", "8"]
     t = lambda *extra: sum(planner.step_seconds(train.parse_args(base + list(extra)), cluster, s).values())  # noqa: E731
     assert t() < t("--sleep_level", "2") < t("--sleep_level", "1")
     assert t() < t("--offload_model") < t("--offload_model", "--offload_optimizer") < t("--zero_offload", "optimizer") \
         < t("--zero_offload", "all")
-    assert t() < t("--gradient_checkpointing") and t() < t("--per_device_train_batch_size", "2") and t() < t("--ref_offload")
+    assert t() < t("--gradient_checkpointing") and t() < t("--per_device_train_batch_size", "2") \
+        and t() < t("--ref_offload")
     assert t("--vllm_gpu_memory_utilization", "0.8") <= t("--vllm_gpu_memory_utilization", "0.3")
 
 
@@ -588,7 +599,8 @@ def test_memory_auto_picks_the_fastest_set_up_that_fits(case):
         "1x48_3b": (["--rollout_batch_size", "8"], C(1, 1, 48, 128), "qwen2.5-vl-3b"),
         "1x24_lora": (["--rollout_batch_size", "8", "--use_peft"], C(1, 1, 24, 128), "qwen2.5-vl-7b"),
         "1x24_full": (["--rollout_batch_size", "8"], C(1, 1, 24, 128), "qwen2.5-vl-7b"),
-        "small_host": (["--rollout_batch_size", "64", "--save_steps", "0", "--no-save_final_model"], C(8, 1, 80, 64), "qwen2.5-vl-7b"),
+        "small_host": (["--rollout_batch_size", "64", "--save_steps", "0", "--no-save_final_model"], C(8, 1, 80, 64),
+                       "qwen2.5-vl-7b"),
     }[case]
     args, (chosen, pl, rejected) = auto(flags, cluster, model)
     s = planner.model_shape(model)
@@ -599,9 +611,10 @@ def test_memory_auto_picks_the_fastest_set_up_that_fits(case):
         return
     assert planner.verdict(pl, cluster)[0]
     secs = sum(planner.step_seconds(chosen, cluster, s).values())
-    assert all(r_secs <= secs and not planner.verdict(planner.plan(a, cluster, s), cluster)[0] for a, r_secs, _ in rejected)
+    assert all(r_secs <= secs and not planner.verdict(planner.plan(a, cluster, s), cluster)[0]
+               for a, r_secs, _ in rejected)
     if case in ("8x80", "small_host"):   # room for every state on the GPUs: no offload during rollouts, and a static
-        # offload only where it buys the update out of checkpointing, whose recompute costs more (COST, issue 42)
+        # offload only where it buys the update out of checkpointing, whose recompute costs more (planner.COST)
         assert not chosen.offload_optimizer and not chosen.offload_model
         if chosen.zero_offload != "none":
             assert not chosen.gradient_checkpointing
@@ -619,10 +632,10 @@ def test_an_explicit_flag_wins_over_memory_auto():
     cluster = planner.Cluster(8, 1, 80, 1024)
     args, (chosen, _, _) = auto(["--rollout_batch_size", "64", "--sleep_level", "1", "--zero_offload", "optimizer",
                                  "--no-gradient_checkpointing", "--per_device_train_batch_size", "1"], cluster)
-    assert args.explicit == ["bf16", "gradient_checkpointing", "model", "per_device_train_batch_size", "rollout_batch_size",
-                             "sleep_level", "zero_offload"]
-    assert (chosen.sleep_level, chosen.zero_offload, chosen.gradient_checkpointing, chosen.per_device_train_batch_size) == \
-        (1, "optimizer", False, 1)
+    assert args.explicit == ["bf16", "gradient_checkpointing", "model", "per_device_train_batch_size",
+                             "rollout_batch_size", "sleep_level", "zero_offload"]
+    assert (chosen.sleep_level, chosen.zero_offload, chosen.gradient_checkpointing,
+            chosen.per_device_train_batch_size) == (1, "optimizer", False, 1)
     _, (free, _, _) = auto(["--rollout_batch_size", "64"], cluster)
     assert (free.sleep_level, free.zero_offload) != (1, "optimizer")
 
@@ -632,8 +645,8 @@ def test_memory_auto_prints_its_choice_and_the_run_uses_it(tmp_path, capsys):
     it refused and why, the chosen plan, and draws it; train.py --plan --memory auto on the CPU stack
     chooses the levers that act there (checkpointing, micro-batch) and decide() hands them to the run."""
     png = tmp_path / "plan.png"
-    assert planner.main(["--model", "qwen2.5-vl-3b", "--bf16", "--memory", "auto", "--gpus_per_node", "4", "--gpu_gb", "40",
-                         "--host_gb", "512", "--png", str(png)]) == 0
+    assert planner.main(["--model", "qwen2.5-vl-3b", "--bf16", "--memory", "auto", "--gpus_per_node", "4",
+                         "--gpu_gb", "40", "--host_gb", "512", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "[memory auto]" in out and "the run uses:" in out and "faster set-ups that do not fit" in out
     assert "[plan] verdict: fits" in out and png.stat().st_size > 10_000
@@ -642,13 +655,14 @@ def test_memory_auto_prints_its_choice_and_the_run_uses_it(tmp_path, capsys):
     args.model = tiny.ensure_default()[0]
     cpu = planner.Cluster(gpus_per_node=1, nodes=1, gpu_gb=0, host_gb=64, cuda=False)
     chosen = planner.decide(args, cpu)
-    assert chosen.memory == "manual" and chosen.gradient_checkpointing is False and chosen.per_device_train_batch_size == 32
+    assert chosen.memory == "manual" and chosen.gradient_checkpointing is False
+    assert chosen.per_device_train_batch_size == 32
     assert args.per_device_train_batch_size is None   # the default (micro_batch() picks), which the choice replaced
 
 
 @pytest.mark.parametrize("frozen,host_gb", [("--use_peft", 128), ("--freeze_vision_tower", 256)])
 def test_memory_auto_never_offloads_the_params_beside_a_frozen_part(frozen, host_gb, capsys):
-    """issue 31: `memory.py plan --model Qwen/Qwen2.5-VL-7B-Instruct --use_peft --gpus_per_node 1 --gpu_gb 48
+    """`memory.py plan --model Qwen/Qwen2.5-VL-7B-Instruct --use_peft --gpus_per_node 1 --gpu_gb 48
     --host_gb 128 --memory auto` chose --offload_model, which DeepSpeed's offload_states cannot do with a frozen
     parameter (flags.check_args, tests/test_deepspeed.py); so did --freeze_vision_tower with 256 GB of host. The
     choice, the set-ups it refused, the levers and the faster set-ups never name it now. Under LoRA there is
@@ -681,7 +695,8 @@ def test_checkpoint_staging_is_one_storage_per_rank():
     src = inspect.getsource(torch.serialization._save)
     assert "for key in serialized_storages" in src and "storage = storage.cpu()" in src
     cluster = planner.Cluster(8, 1, 80, 256)
-    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none", "--rollout_batch_size", "64"])
+    args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--zero_offload", "none",
+                             "--rollout_batch_size", "64"])
     s = planner.model_shape("qwen2.5-vl-7b")
     host = planner.plan(args, cluster, s)["phases"]["checkpoint"]["host"]
     assert host["checkpoint staging (largest storage per rank)"] == pytest.approx(8 * 4 * s["n"] / 8)
@@ -692,8 +707,8 @@ def test_checkpoint_staging_is_one_storage_per_rank():
 # 79.1 GiB as torch sees it (vLLM's log in vllm-project/vllm#17117: total_gpu_memory 79.14 GiB), a
 # 40 GB one 39.4. Lengths and batches are each run's own; where a field was not published the row says
 # what was assumed. docs/memory.md has the table with our figures and what maps between the systems.
-_SWIFT = ["--num_generations", "8", "--max_prompt_length", "1024", "--max_completion_length", "1024", "--max_pixels", "602112",
-          "--vllm_tensor_parallel_size", "4", "--zero_offload", "none"]
+_SWIFT = ["--num_generations", "8", "--max_prompt_length", "1024", "--max_completion_length", "1024",
+          "--max_pixels", "602112", "--vllm_tensor_parallel_size", "4", "--zero_offload", "none"]
 _EASYR1 = ["--num_generations", "5", "--per_device_train_batch_size", "1", "--max_prompt_length", "2048",
            "--max_completion_length", "2048", "--zero_offload", "none", "--offload_optimizer", "--offload_model",
            "--sleep_level", "1", "--vllm_gpu_memory_utilization", "0.6", "--vllm_tensor_parallel_size", "2"]
@@ -705,36 +720,51 @@ def _vlm_r1(g, gc):
     without offload, HF generate (no vLLM: the trainer's update is compared, vLLM's pool left out);
     RefCOCO images at their ~640 x 480 (391 tokens), prompts ~450 tokens, TRL's 256-token completions."""
     return ["--num_generations", str(g), "--rollout_batch_size", "8", "--per_device_train_batch_size", str(g),
-            "--max_prompt_length", "512", "--max_completion_length", "256", "--max_pixels", "307200", "--zero_offload", "none",
-            "--no-ref_offload", "--logprob_chunk_tokens", str(g * 768), "--gradient_checkpointing" if gc else "--no-gradient_checkpointing"]
+            "--max_prompt_length", "512", "--max_completion_length", "256", "--max_pixels", "307200",
+            "--zero_offload", "none", "--no-ref_offload", "--logprob_chunk_tokens", str(g * 768),
+            "--gradient_checkpointing" if gc else "--no-gradient_checkpointing"]
 
 
 C = planner.Cluster
 PUBLIC = {   # name: (source, model, flags, cluster, reported: fits, no vLLM in that run)
     "ms-swift 3B 4x90GB, its seven levers": (
         "modelscope/ms-swift#4311; levers: blog.gitcode.com/b0fd09423e50d7c8f4ecb947748b5790.html", "qwen2.5-vl-3b",
-        _SWIFT + ["--rollout_batch_size", "4", "--per_device_train_batch_size", "2", "--vllm_gpu_memory_utilization", "0.5",
-                  "--sleep_level", "1", "--offload_optimizer", "--offload_model", "--limit_images", "2"], C(4, 1, 90, 1024), True, False),
+        _SWIFT + ["--rollout_batch_size", "4", "--per_device_train_batch_size", "2",
+                  "--vllm_gpu_memory_utilization", "0.5", "--sleep_level", "1", "--offload_optimizer",
+                  "--offload_model", "--limit_images", "2"],
+        C(4, 1, 90, 1024), True, False),
     "ms-swift 3B 4x90GB, without them (assumed: ms-swift's vLLM share 0.9)": (
         "modelscope/ms-swift#4311", "qwen2.5-vl-3b",
-        _SWIFT + ["--rollout_batch_size", "16", "--per_device_train_batch_size", "8", "--vllm_gpu_memory_utilization", "0.9"],
+        _SWIFT + ["--rollout_batch_size", "16", "--per_device_train_batch_size", "8",
+                  "--vllm_gpu_memory_utilization", "0.9"],
         C(4, 1, 90, 1024), False, False),
-    "VLM-R1 3B 8xH100, G 8, no checkpointing": ("om-ai-lab/VLM-R1#77", "qwen2.5-vl-3b", _vlm_r1(8, False), C(8, 1, 79.1, 1024), False, True),
-    "VLM-R1 3B 8xH100, G 4, no checkpointing": ("om-ai-lab/VLM-R1#77", "qwen2.5-vl-3b", _vlm_r1(4, False), C(8, 1, 79.1, 1024), True, True),
-    "VLM-R1 3B 8xA100-80, G 7": ("om-ai-lab/VLM-R1#30", "qwen2.5-vl-3b", _vlm_r1(7, False), C(8, 1, 79.1, 1024), True, True),
-    "VLM-R1 3B 8xA100-40, G 5, checkpointing": ("om-ai-lab/VLM-R1#30", "qwen2.5-vl-3b", _vlm_r1(5, True), C(8, 1, 39.4, 1024), True, True),
-    "VLM-R1 3B 8xA800-80, G 8, checkpointing": ("om-ai-lab/VLM-R1#36", "qwen2.5-vl-3b", _vlm_r1(8, True), C(8, 1, 79.1, 1024), True, True),
-    "VLM-R1 3B 8xA800-80, G 8, no checkpointing": ("om-ai-lab/VLM-R1#36", "qwen2.5-vl-3b", _vlm_r1(8, False), C(8, 1, 79.1, 1024), False, True),
+    "VLM-R1 3B 8xH100, G 8, no checkpointing": (
+        "om-ai-lab/VLM-R1#77", "qwen2.5-vl-3b", _vlm_r1(8, False), C(8, 1, 79.1, 1024), False, True),
+    "VLM-R1 3B 8xH100, G 4, no checkpointing": (
+        "om-ai-lab/VLM-R1#77", "qwen2.5-vl-3b", _vlm_r1(4, False), C(8, 1, 79.1, 1024), True, True),
+    "VLM-R1 3B 8xA100-80, G 7": (
+        "om-ai-lab/VLM-R1#30", "qwen2.5-vl-3b", _vlm_r1(7, False), C(8, 1, 79.1, 1024), True, True),
+    "VLM-R1 3B 8xA100-40, G 5, checkpointing": (
+        "om-ai-lab/VLM-R1#30", "qwen2.5-vl-3b", _vlm_r1(5, True), C(8, 1, 39.4, 1024), True, True),
+    "VLM-R1 3B 8xA800-80, G 8, checkpointing": (
+        "om-ai-lab/VLM-R1#36", "qwen2.5-vl-3b", _vlm_r1(8, True), C(8, 1, 79.1, 1024), True, True),
+    "VLM-R1 3B 8xA800-80, G 8, no checkpointing": (
+        "om-ai-lab/VLM-R1#36", "qwen2.5-vl-3b", _vlm_r1(8, False), C(8, 1, 79.1, 1024), False, True),
     "EasyR1 3B 4x40GB (hardware table; host assumed 512 GB)": (
-        "hiyouga/EasyR1 README, Hardware Requirements", "qwen2.5-vl-3b", _EASYR1 + ["--rollout_batch_size", "8"], C(4, 1, 39.4, 512), True, False),
+        "hiyouga/EasyR1 README, Hardware Requirements", "qwen2.5-vl-3b", _EASYR1 + ["--rollout_batch_size", "8"],
+        C(4, 1, 39.4, 512), True, False),
     "EasyR1 7B 8x40GB (hardware table; host assumed 1 TB)": (
-        "hiyouga/EasyR1 README, Hardware Requirements", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"], C(8, 1, 39.4, 1024), True, False),
+        "hiyouga/EasyR1 README, Hardware Requirements", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"],
+        C(8, 1, 39.4, 1024), True, False),
     "EasyR1 3B 8xH100 baseline (54 GB VRAM, 120 GB host peak)": (
-        "hiyouga/EasyR1 assets/baselines.md (v0.3.2)", "qwen2.5-vl-3b", _EASYR1 + ["--rollout_batch_size", "16"], C(8, 1, 79.1, 1024), True, False),
+        "hiyouga/EasyR1 assets/baselines.md (v0.3.2)", "qwen2.5-vl-3b", _EASYR1 + ["--rollout_batch_size", "16"],
+        C(8, 1, 79.1, 1024), True, False),
     "EasyR1 7B 8xH100 baseline (68 GB VRAM, 120 GB host peak)": (
-        "hiyouga/EasyR1 assets/baselines.md (v0.3.2)", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"], C(8, 1, 79.1, 1024), True, False),
+        "hiyouga/EasyR1 assets/baselines.md (v0.3.2)", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"],
+        C(8, 1, 79.1, 1024), True, False),
     "EasyR1 7B 8xH100, a 251.5 GB host (host OOM)": (
-        "hiyouga/EasyR1#260", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"], C(8, 1, 79.1, 251.5), False, False),
+        "hiyouga/EasyR1#260", "qwen2.5-vl-7b", _EASYR1 + ["--rollout_batch_size", "16"],
+        C(8, 1, 79.1, 251.5), False, False),
 }
 
 
@@ -777,7 +807,8 @@ def test_a_plan_that_fits_says_what_would_make_it_faster():
         assert planner.verdict(planner.plan(a, cluster, s), cluster)[0], flag
 
 
-@pytest.mark.parametrize("name", ["ms-swift 3B 4x90GB, its seven levers", "EasyR1 7B 8x40GB (hardware table; host assumed 1 TB)",
+@pytest.mark.parametrize("name", ["ms-swift 3B 4x90GB, its seven levers",
+                                  "EasyR1 7B 8x40GB (hardware table; host assumed 1 TB)",
                                   "EasyR1 7B 8xH100 baseline (68 GB VRAM, 120 GB host peak)"])
 def test_memory_auto_on_published_set_ups(name):
     """--memory auto given a published run's set-up minus its memory levers (the experiment's own flags
@@ -799,7 +830,8 @@ def test_memory_auto_on_published_set_ups(name):
     s = planner.model_shape(model)
     chosen, pl, _ = planner.choose(args, cluster, s)
     assert chosen is not None and planner.verdict(pl, cluster)[0]
-    assert sum(planner.step_seconds(chosen, cluster, s).values()) <= sum(planner.step_seconds(by_hand, cluster, s).values())
+    assert (sum(planner.step_seconds(chosen, cluster, s).values())
+            <= sum(planner.step_seconds(by_hand, cluster, s).values()))
 
 
 def test_the_step_time_model_reads_the_static_offload_from_the_deepspeed_config():
@@ -810,7 +842,8 @@ def test_the_step_time_model_reads_the_static_offload_from_the_deepspeed_config(
     args = train.parse_args(["--model", "qwen2.5-vl-7b", "--bf16", "--offload_model"])
     assert planner.static_offload(args, cluster) == "optimizer"
     assert "CPU Adam (static offload)" in planner.step_seconds(args, cluster, s)
-    assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b", "--offload_optimizer"]), cluster) == "none"
+    only_optimizer = train.parse_args(["--model", "qwen2.5-vl-7b", "--offload_optimizer"])
+    assert planner.static_offload(only_optimizer, cluster) == "none"
     assert planner.static_offload(train.parse_args(["--model", "qwen2.5-vl-7b"]), cluster) == "all"
 
 
@@ -821,13 +854,14 @@ def test_kv_room_and_memory_auto_for_each_family(name):
     a set-up on 8 x 80 GB with no static offload."""
     s = planner.model_shape(name)
     cluster = planner.Cluster(8, 1, 80, 1024)
-    args = train.parse_args(["--model", name, "--bf16", "--rollout_batch_size", "64", "--vllm_gpu_memory_utilization", "0.5"])
+    args = train.parse_args(["--model", name, "--bf16", "--rollout_batch_size", "64",
+                             "--vllm_gpu_memory_utilization", "0.5"])
     cache, room = planner.vllm_cache(args, cluster, s, 2)
     seqs = 64 // 8 * 8
     assert room == pytest.approx(0.5 * 80 * planner.GB - s["n"] * 2 - (0.15 + 1.0) * planner.GB
                                  - planner.vllm_profile_bytes(s, 2, 1, 16384, seqs))
-    assert cache == 8 * (args.max_prompt_length + 8 * args.max_completion_length) * planner.kv_bytes_per_token(s, 2, 1) \
-        + seqs * planner.linear_state_bytes(s, 2, 1)
+    assert cache == 8 * (args.max_prompt_length + 8 * args.max_completion_length) \
+        * planner.kv_bytes_per_token(s, 2, 1) + seqs * planner.linear_state_bytes(s, 2, 1)
     assert (planner.linear_state_bytes(s, 2, 1) > 0) == (s["model_type"] == "qwen3_5")
     chosen, pl, _ = planner.choose(args, cluster, s)
     assert chosen is not None and planner.verdict(pl, cluster)[0]

@@ -40,7 +40,8 @@ def test_recipe_runs_on_the_tiny_model(tmp_path, tiny_default, name):
     rows, log = launch(tmp_path, "--model", model, "--train_data", train_jsonl, "--val_data", val_jsonl, *flags,
                        "--max_steps", "1", "--val_freq", "0", "--no-val_before_train", "--save_steps", "0",
                        "--no-save_final_model")
-    assert ("[flags] note: --epsilon_high" in log) == ("--epsilon_high" in flags and "--num_iterations" not in flags), log[-3000:]
+    assert ("[flags] note: --epsilon_high" in log) == ("--epsilon_high" in flags and "--num_iterations" not in flags), \
+        log[-3000:]
     (step,) = [r for r in rows if "rollout/logp_diff_max" in r]
     assert step["step"] == 1 and step["rollout/logp_diff_max"] < 0.5    # bf16 over long completions: loose
     # the colour task's solutions are words, not boxes: the box reward (iou) fails on every completion, and a

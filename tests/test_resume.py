@@ -58,7 +58,8 @@ def start_and_kill(out_dir, when, hold=None):
     held = hold and os.path.join(out_dir, f"{hold}.hold")
     if held:
         open(held, "w").close()
-    p, path = start(out_dir, env={"PYTHONPATH": os.pathsep.join(filter(None, [SLOW_DISK, os.environ.get("PYTHONPATH")]))})
+    python_path = os.pathsep.join(filter(None, [SLOW_DISK, os.environ.get("PYTHONPATH")]))
+    p, path = start(out_dir, env={"PYTHONPATH": python_path})
     deadline, text = time.time() + 900, ""
     utf8 = codecs.getincrementaldecoder("utf-8")()   # a read can end inside a character (tqdm's bars)
     with open(path, "rb") as log:
@@ -91,7 +92,8 @@ def trained(out_dir, step):
 
 
 def assert_same(a, b):
-    assert [(r["step"], sorted(r)) for r in a if "val/reward" in r] == [(r["step"], sorted(r)) for r in b if "val/reward" in r]
+    assert [(r["step"], sorted(r)) for r in a if "val/reward" in r] \
+        == [(r["step"], sorted(r)) for r in b if "val/reward" in r]
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         for k in SAME:
@@ -137,15 +139,19 @@ def test_ten_kills_then_resume_exactly(tmp_path, full):
     run = tmp_path / "run"
     ready = "[setup] 2 ranks"   # this launch has resumed (metrics.jsonl trimmed, wandb run open)
     kills = [   # (what to kill at, the checkpoint whose rename waits for the kill: a mid-save kill)
-        (lambda log: time.sleep(4) or True, None),                                              # 1. importing
-        (lambda log: "[setup] embedded default" in log, None),                                  # 2. loading (JIT op, vLLM)
-        (lambda log: ready in log, None),                                                       # 3. right after set-up
-        (lambda log: ready in log and any(r["step"] == 0 for r in rows(run)), None),            # 4. step 1, no checkpoint yet
-        (lambda log: ready in log and (run / "checkpoint-2.tmp").is_dir(), "checkpoint-2"),    # 5. mid-save
+        (lambda log: time.sleep(4) or True, None),                                      # 1. importing
+        (lambda log: "[setup] embedded default" in log, None),                          # 2. loading (JIT op, vLLM)
+        (lambda log: ready in log, None),                                               # 3. right after set-up
+        (lambda log: ready in log and any(r["step"] == 0 for r in rows(run)), None),    # 4. step 1, no checkpoint yet
+        (lambda log: ready in log and (run / "checkpoint-2.tmp").is_dir(), "checkpoint-2"),   # 5. mid-save
         (lambda log: ready in log and (run / "checkpoint-2").is_dir() and not trained(run, 3), None),   # 6. step 3
-        (lambda log: ready in log and trained(run, 3) and not any("val/reward" in r and r["step"] == 3 for r in rows(run)), None),
-        (lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(), "checkpoint-4"),    # 8. mid-save
-        (lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5), None),
+        # 7. step 3 trained, its validation not yet logged
+        (lambda log: ready in log and trained(run, 3)
+         and not any("val/reward" in r and r["step"] == 3 for r in rows(run)), None),
+        (lambda log: ready in log and (run / "checkpoint-4.tmp").is_dir(), "checkpoint-4"),   # 8. mid-save
+        # 9. checkpoint-4 written, step 5 not yet logged
+        (lambda log: ready in log and (run / "checkpoint-4").is_dir() and trained(run, 4) and not trained(run, 5),
+         None),
         # 10. the last save, after its last file and before its rename (where a Ctrl-C's SIGKILL, 30 s on, can land)
         (lambda log: ready in log and (run / "checkpoint-6.tmp" / "trainer_state.json").exists(), "checkpoint-6"),
     ]
@@ -236,7 +242,7 @@ def test_preemption_checkpoints_the_step_and_exits_75(tmp_path, full):
 
 @pytest.mark.launch
 def test_a_relaunch_with_other_flags_into_a_damaged_run(tmp_path, full_dir):
-    """Issue 32, items 3 and 6, on a copy of the unbroken run (checkpoints 2, 4, 6; lr 1e-3, cosine) whose
+    """A relaunch with other flags, on a copy of the unbroken run (checkpoints 2, 4, 6; lr 1e-3, cosine) whose
     checkpoint-6 has a shard cut short. --num_generations 8 is refused by name before vLLM or the model
     start (it resumed silently before). --learning_rate 5e-4 --lr_scheduler_type constant says which file
     of checkpoint-6 is wrong (the resume crashed on it: "PytorchStreamReader failed reading zip archive"),
@@ -269,7 +275,7 @@ def test_a_relaunch_with_other_flags_into_a_damaged_run(tmp_path, full_dir):
 @pytest.mark.launch
 def test_a_hang_up_checkpoints_the_step_and_exits_75(tmp_path, tiny_default):
     """SIGHUP to the whole process group, as a closed terminal sends it, killed every process at once with no
-    line in the log (issue 32, item 8). The `deepspeed` command and its launcher still go (SIGHUP's default);
+    line in the log. The `deepspeed` command and its launcher still go (SIGHUP's default);
     the ranks finish the step, write a whole checkpoint of it and exit 75."""
     import checkpoint
     p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="hup",
@@ -318,7 +324,8 @@ def test_the_slow_disk_holds_a_checkpoints_rename_until_its_hold_file_goes(tmp_p
     (tmp_path / "checkpoint-2.tmp").mkdir()
     (tmp_path / "checkpoint-2.hold").touch()
     (tmp_path / "other.tmp").mkdir()
-    code = ("import os, sys\nos.rename(sys.argv[1] + '/other.tmp', sys.argv[1] + '/other')\nprint('other', flush=True)\n"
+    code = ("import os, sys\nos.rename(sys.argv[1] + '/other.tmp', sys.argv[1] + '/other')\n"
+            "print('other', flush=True)\n"
             "os.rename(sys.argv[1] + '/checkpoint-2.tmp', sys.argv[1] + '/checkpoint-2')\nprint('renamed', flush=True)")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=SLOW_DISK))
@@ -351,7 +358,8 @@ class Stuck:   # a disk that stops mid-write: half the text lands, then nothing 
     def __getattr__(self, name):
         return getattr(self.f, name)
 
-job.open = lambda file, mode="r", *a, **k: Stuck(open(file, mode, *a, **k)) if "w" in mode else open(file, mode, *a, **k)
+job.open = lambda file, mode="r", *a, **k: (Stuck(open(file, mode, *a, **k)) if "w" in mode
+                                            else open(file, mode, *a, **k))
 logs.trim_metrics({path!r}, 40)
 """
 
@@ -380,7 +388,8 @@ def test_metrics_rewrite_survives_a_kill_mid_write(tmp_path):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen2_5_vl"])   # Qwen2.5-VL: test_ten_kills_then_resume_exactly
+# Qwen2.5-VL: test_ten_kills_then_resume_exactly
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen2_5_vl"])
 def test_resume_exact_with_one_process_and_the_export_loads(tmp_path, arch):
     """For the other families: a run resumed from checkpoint-2 ends bitwise as the uninterrupted one, and
     the uninterrupted run's HF export loads in transformers and in vLLM, which generates from an
@@ -421,10 +430,12 @@ def test_a_dead_rank_is_not_a_preemption(tmp_path, tiny_default):
     """One rank SIGKILLed: DeepSpeed's launcher SIGTERMs the survivor, which says that a rank died
     (not "[preempt] ... exit 75") and writes no checkpoint of the step; the launcher names the code."""
     import psutil
-    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"], name="dead")
+    p, log = start(tmp_path, flags=[*FAST, "--max_steps", "50", "--val_freq", "0", "--no-save_final_model"],
+                   name="dead")
     while not trained(tmp_path, 1) and p.poll() is None:
         time.sleep(0.05)
-    ranks = sorted((c for c in psutil.Process(p.pid).children(recursive=True) if "--local_rank" in " ".join(c.cmdline())),
+    ranks = sorted((c for c in psutil.Process(p.pid).children(recursive=True)
+                    if "--local_rank" in " ".join(c.cmdline())),
                    key=lambda c: " ".join(c.cmdline()))
     assert len(ranks) == 2
     ranks[1].kill()
@@ -490,15 +501,18 @@ out = llm.generate(req, sp, lora_request=LoRARequest("grpo", 1, adapter))[0].out
 plain = llm.generate(req, sp)[0].outputs[0]
 hf = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), adapter).eval()
 with torch.no_grad():
-    hf.base_model.model.forward = type(hf.base_model.model).forward.__get__(hf.base_model.model)   # the plain HF forward
+    # the plain HF forward
+    hf.base_model.model.forward = type(hf.base_model.model).forward.__get__(hf.base_model.model)
     logits = hf(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1]
 tok = out.token_ids[0]
 if len(sys.argv) > 3:   # --export_merged: the merged model alone gives the adapted policy's logits
     merged = AutoModelForImageTextToText.from_pretrained(sys.argv[3], dtype=torch.float32).eval()
     with torch.no_grad():
-        print("MERGED", (merged(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1] - logits).abs().max().item())
+        merged_logits = merged(**proc(text=[text], images=[image], return_tensors="pt")).logits[0, -1]
+        print("MERGED", (merged_logits - logits).abs().max().item())
+adapted = out.logprobs[0].get(plain.token_ids[0]) or out.logprobs[0][tok]
 print("DIFF", abs(torch.log_softmax(logits.double(), -1)[tok].item() - out.logprobs[0][tok].logprob),
-      "ADAPTER_EFFECT", abs(plain.logprobs[0][plain.token_ids[0]].logprob - (out.logprobs[0].get(plain.token_ids[0]) or out.logprobs[0][tok]).logprob))
+      "ADAPTER_EFFECT", abs(plain.logprobs[0][plain.token_ids[0]].logprob - adapted.logprob))
 """
 
 
@@ -529,17 +543,19 @@ def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vll
     export = tmp_path / "full" / "final_model"
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(export))
     from safetensors import safe_open
-    assert not any("lora" in n for n in safe_open(export.with_name("final_model_merged") / "model.safetensors", "pt").keys())
-    r = subprocess.run([sys.executable, "-c", VLLM_LORA, tiny_default[0], str(export), str(export.with_name("final_model_merged"))],
+    merged_dir = export.with_name("final_model_merged")
+    assert not any("lora" in n for n in safe_open(merged_dir / "model.safetensors", "pt").keys())
+    r = subprocess.run([sys.executable, "-c", VLLM_LORA, tiny_default[0], str(export), str(merged_dir)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and "DIFF" in r.stdout, (r.stdout + r.stderr)[-3000:]
     merged, rest = r.stdout.split("MERGED")[1].split("DIFF")
     diff, effect = (float(x) for x in rest.split("ADAPTER_EFFECT"))
-    print(f"adapter: PEFT vs vLLM {diff:.1e}, the adapter's effect {effect:.3f}; merged export vs PEFT logits {float(merged):.1e}")
+    print(f"adapter: PEFT vs vLLM {diff:.1e}, the adapter's effect {effect:.3f}; "
+          f"merged export vs PEFT logits {float(merged):.1e}")
     assert diff < 1e-4 and effect > 1e-3 and float(merged) < 1e-4, r.stdout
 
 
-# ----------------------------------------------------------------------------- issue 32, item 4: another number of GPUs
+# ----------------------------------------------------------------------------- a resume on another number of GPUs
 def universal_matches(ckpt):
     """Every parameter's fp32 weights in ckpt/universal (DeepSpeed's universal checkpoint, made at the resume) are
     those of ckpt's ZeRO-3 shards, as DeepSpeed's own zero_to_fp32 puts them together. -> how many."""
@@ -561,7 +577,7 @@ def rolled_out(ckpt, rank=0):
 
 @pytest.mark.launch
 def test_a_two_process_run_resumes_on_one_process(tmp_path, full_dir):
-    """Issue 32, item 4: the unbroken two-process run's checkpoint-2, resumed on one process to the end. It was
+    """The unbroken two-process run's checkpoint-2, resumed on one process to the end. It was
     refused ("not supported yet"). Now checkpoint-2 is converted once, before vLLM and the model start, to
     DeepSpeed's universal checkpoint (its weights those of the ZeRO-3 shards), the run trains steps 3 to 6 at the
     unbroken run's learning rates, and it rolls out exactly the unbroken run's 96 prompts, none twice: the one
@@ -588,7 +604,7 @@ def test_a_two_process_run_resumes_on_one_process(tmp_path, full_dir):
 
 @pytest.mark.launch
 def test_a_one_process_run_resumes_on_two_processes(tmp_path, tiny_default):
-    """Issue 32, item 4, the reverse: a one-process run SIGKILLed after checkpoint-2, relaunched on two processes.
+    """The reverse: a one-process run SIGKILLed after checkpoint-2, relaunched on two processes.
     The two ranks load the universal checkpoint made of it and deal the rest of epoch 0's permutation between
     them, skipping the 32 rows the one process took: the four steps rolled out the permutation's first 64 rows,
     none twice. The weights trained on from checkpoint-2's."""

@@ -198,7 +198,7 @@ def test_gc_runs_while_vllm_is_awake(monkeypatch):
 
 
 def test_a_sync_whose_prefix_cache_reset_fails_raises(llm):
-    """Issue 42, point 9: vLLM's reset_prefix_cache returns False and keeps the cache while a request holds KV blocks
+    """vLLM's reset_prefix_cache returns False and keeps the cache while a request holds KV blocks
     (vllm/v1/core/block_pool.py); the sync then said nothing, and the next rollout could reuse prompt KV computed
     with the old weights. A request left running in the real engine (its prefill done, tokens to go) makes the sync
     raise; once it is gone the sync resets. Fails before: no error."""

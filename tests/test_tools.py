@@ -38,8 +38,8 @@ def zoom_run(arch, llm_of, *flags):
     args.per_device_train_batch_size = train.micro_batch(args, 1)
     processor = AutoProcessor.from_pretrained(model_dir)
     banned = rollout.checkpoint_banned_ids(model_dir, processor.tokenizer)
-    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"), tp_group=None,
-                                lora_request=None, pad_id=processor.tokenizer.pad_token_id,
+    run = types.SimpleNamespace(args=args, processor=processor, rank=0, world=1, device=torch.device("cpu"),
+                                tp_group=None, lora_request=None, pad_id=processor.tokenizer.pad_token_id,
                                 sampling=startup.sampling_of(args, banned),
                                 llm=llm_of(arch, model_dir, ("--tiny_task", "zoom")))
     norm = model_py.FAMILIES[arch]["norm_bbox"]   # as startup.load_data hands it: the family's box convention
@@ -64,17 +64,18 @@ def gaps(run, groups, policy):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, world1, monkeypatch):
     """Four prompts x 4 trajectories at T 0.8 on the zoom model (told to call, its prior calls the crop most of the
-    time; the fourth row shows no tools, so its trajectories answer at once, beside the others in the micro-batches): turns
-    that called the tool got its image back; the trainer's log-probs of the model's tokens, over the whole sequence
-    with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in test_vllm_agreement),
-    one sequence per completion and with the shared prefix (Qwen3.5: the first only, it falls back); a tool token
-    left in the loss mask (its sampler log-prob is no log-prob) is caught. The same pixels reach both: each crop
-    vLLM was given is the one the processor turned into the trainer's inputs. Every image goes with its content id
-    (data.vllm_request), and vLLM hashes no image's pixels."""
+    time; the fourth row shows no tools, so its trajectories answer at once, beside the others in the micro-batches):
+    turns that called the tool got its image back; the trainer's log-probs of the model's tokens, over the whole
+    sequence with the tool images, equal vLLM's within 1e-4 (fp32; Qwen3.5 within bf16's 0.1, as in
+    test_vllm_agreement), one sequence per completion and with the shared prefix (Qwen3.5: the first only, it falls
+    back); a tool token left in the loss mask (its sampler log-prob is no log-prob) is caught. The same pixels reach
+    both: each crop vLLM was given is the one the processor turned into the trainer's inputs. Every image goes with its
+    content id (data.vllm_request), and vLLM hashes no image's pixels."""
     from PIL import Image
     from vllm.multimodal.hasher import MultiModalHasher
     run, samples, model_dir = zoom_run(arch, llm_of, "--temperature", "0.8", "--num_generations", "4")
-    hashed, serialize = [], MultiModalHasher.serialize_item.__func__   # from here: the engine's start-up hashes its dummy
+    # from here: the engine's start-up hashes its dummy
+    hashed, serialize = [], MultiModalHasher.serialize_item.__func__
     monkeypatch.setattr(MultiModalHasher, "serialize_item", classmethod(
         lambda cls, obj: (isinstance(obj, Image.Image) and hashed.append(obj)) or serialize(cls, obj)))
     samples[-1] = data.prepare({**data.read_jsonl(zoom(arch)[1])[3], "tools": []}, run.processor, run.args,
@@ -89,9 +90,11 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
     assert called and all(len(c.mask) == len(c.token_ids) == len(c.sampler_logps) for c in comps)
     assert all(c.mm["pixel_values"].shape[0] > 0 for c in called) and any(not c.calls for c in comps)
     run.llm.generate = generate
-    assert not hashed and all(r["multi_modal_uuids"]["image"] == [data.content_id(im) for im in r["multi_modal_data"]["image"]]
-                              for r in sent)
-    for c in called:   # vLLM's last request of the trajectory holds its crops, as PIL images; the trainer's pixels are theirs
+    assert not hashed and all(
+        r["multi_modal_uuids"]["image"] == [data.content_id(im) for im in r["multi_modal_data"]["image"]]
+        for r in sent)
+    # vLLM's last request of the trajectory holds its crops, as PIL images; the trainer's pixels are theirs
+    for c in called:
         request = next(r for r in reversed(sent) if any(im is c.images[-1] for im in r["multi_modal_data"]["image"]))
         assert [im for im in request["multi_modal_data"]["image"] if im in c.images] == c.images
         assert torch.equal(run.processor.image_processor(images=c.images, return_tensors="pt")["pixel_values"],
@@ -114,9 +117,11 @@ def test_tools_are_functions_whose_schema_transformers_makes():
     (schema,) = toolbox.schemas(["crop"]).values()
     fn = schema["function"]
     assert fn["name"] == "crop" and fn["description"].startswith("Zoom in")
-    assert list(fn["parameters"]["properties"]) == ["x1", "y1", "x2", "y2"] and fn["parameters"]["required"] == ["x1", "y1", "x2", "y2"]
-    assert fn["parameters"]["properties"]["x1"] == {"type": "integer", "description": "left edge of the region, in pixels of "
-                                                                                       "the image as you see it"}
+    assert list(fn["parameters"]["properties"]) == ["x1", "y1", "x2", "y2"]
+    assert fn["parameters"]["required"] == ["x1", "y1", "x2", "y2"]
+    assert fn["parameters"]["properties"]["x1"] == {"type": "integer",
+                                                    "description": "left edge of the region, in pixels of "
+                                                                   "the image as you see it"}
 
 
 @pytest.mark.parametrize("family", sorted(model_py.FAMILIES))
@@ -156,7 +161,7 @@ def sample_of(arch="qwen2_5_vl"):
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_the_zoom_task_hides_the_colour_and_a_crop_shows_it(arch):
-    """The zoom task is honest (issue 45): the four images the model is shown (each colour's, downscaled 8 times as
+    """The zoom task is honest: the four images the model is shown (each colour's, downscaled 8 times as
     data.prepare does) are the same grey inside the dots' square and differ only on its border, by 8 levels of 255
     at most, so no policy blind to the crop beats chance (the demo's control, docs/demos.md); the crop of the centre
     pixel shows the dot, a square of its colour on a light ground, each colour's tens of levels from the others'."""
@@ -168,8 +173,8 @@ def test_the_zoom_task_hides_the_colour_and_a_crop_shows_it(arch):
         original = tiny.zoom_image(colour, tiny.zoom_size(arch))
         shown = data.downscale(original, *bounds)
         norm = model_py.FAMILIES[arch]["norm_bbox"]
-        parts, error, _ = toolbox.run_call(tiny.zoom_call(shown.width, norm),
-                                           dict(images=[shown], sources=[original], pixel_bounds=bounds, norm_bbox=norm), ["crop"])
+        sample = dict(images=[shown], sources=[original], pixel_bounds=bounds, norm_bbox=norm)
+        parts, error, _ = toolbox.run_call(tiny.zoom_call(shown.width, norm), sample, ["crop"])
         assert error is None and shown.size == parts[0].size == (2 * grid, 2 * grid)
         seen.append(np.asarray(shown, dtype=float))
         crops.append(np.asarray(parts[0], dtype=float))
@@ -190,7 +195,8 @@ def test_the_zoom_tasks_files_do_not_name_the_colour():
     rows = [json.loads(line) for path in (train_jsonl, val_jsonl) for line in open(path)]
     names = {r["image"] for r in rows}
     assert len(names) == 4 and {r["solution"] for r in rows} == set(tiny.ZOOM_COLOURS)
-    assert not any(c in n for n in names for c in tiny.ZOOM_COLOURS) and {r["question"] for r in rows} == {tiny.ZOOM_QUESTION}
+    assert not any(c in n for n in names for c in tiny.ZOOM_COLOURS)
+    assert {r["question"] for r in rows} == {tiny.ZOOM_QUESTION}
 
 
 def test_the_zoom_prior_answers_at_once_and_reads_a_colour_task_image_after_a_call():
@@ -211,7 +217,8 @@ def test_the_zoom_prior_answers_at_once_and_reads_a_colour_task_image_after_a_ca
     schema = list(toolbox.schemas(["crop"]).values())
 
     def prompt(question):
-        return data.prompt(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}], schema)
+        content = [{"type": "image"}, {"type": "text", "text": question}]
+        return data.prompt(proc, [{"role": "user", "content": content}], schema)
     with torch.no_grad():
         first, told = (model(**proc(text=[prompt(q)], images=[shown], return_tensors="pt")).logits[0, -1].softmax(-1)
                        for q in (tiny.ZOOM_QUESTION, tiny.ZOOM_QUESTION_CALL))
@@ -235,12 +242,16 @@ def test_the_crop_returns_the_originals_region_downscaled_like_every_image():
     assert seen.size == (56, 56) and data.open_image(s["sources"][0]).size == (tiny.ZOOM_SIZE, tiny.ZOOM_SIZE)
     parts, error, _ = toolbox.run_call(tiny.zoom_call(seen.width), s, ["crop"])
     (crop,) = parts
-    assert error is None and crop.size == (56, 56)   # 1 seen pixel: 8 original ones, upscaled to the task's 2 x 2 tokens
-    want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels, args.max_pixels, 28)
+    # 1 seen pixel: 8 original ones, upscaled to the task's 2 x 2 tokens
+    assert error is None and crop.size == (56, 56)
+    want = data.downscale(data.open_image(s["sources"][0]).crop((216, 216, 224, 224)), args.min_pixels,
+                          args.max_pixels, 28)
     assert np.array_equal(np.asarray(crop), np.asarray(want))
-    assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()   # the dot, only in the crop
+    # the dot, only in the crop
+    assert np.asarray(crop).astype(float).std() > 40 > np.asarray(seen).astype(float).std()
     decoded = dict(s, sources=[data.open_image(s["sources"][0])])   # an HF dataset's row: a PIL image, not a path
-    assert np.array_equal(np.asarray(toolbox.run_call(tiny.zoom_call(seen.width), decoded, ["crop"])[0][0]), np.asarray(want))
+    assert np.array_equal(np.asarray(toolbox.run_call(tiny.zoom_call(seen.width), decoded, ["crop"])[0][0]),
+                          np.asarray(want))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
@@ -271,7 +282,8 @@ def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(
     assert all(t["image_ids"] == [data.content_id(im) for im in t["images"]] for t in together)
     for a, b in zip(alone, together):
         assert {k: v for k, v in a.items() if k != "mm"} == {k: v for k, v in b.items() if k != "mm"}
-        assert len(a["mm"]) == len(b["mm"]) and all(torch.equal(x[k], y[k]) for x, y in zip(a["mm"], b["mm"]) for k in x)
+        assert len(a["mm"]) == len(b["mm"])
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a["mm"], b["mm"]) for k in x)
 
 
 @pytest.mark.parametrize("text,reason", [
@@ -355,7 +367,7 @@ HOSTILE = [   # (what the model wrote, what the tool message says)
 
 
 def test_whatever_the_model_writes_ends_as_a_counted_tool_message():
-    """Issue 44: `<tool_call>` + 1,000 `[` raised RecursionError out of parse_call, and nothing above caught it: the
+    """`<tool_call>` + 1,000 `[` raised RecursionError out of parse_call, and nothing above caught it: the
     run died, and its relaunch wrote the same call (vLLM's seeds are fixed per step and prompt) and died again. Deep
     nesting, numbers too long, too large, not finite or not integral, arguments of the wrong types, lone surrogates,
     control characters: each is the model's mistake (BAD_CALL) told in a tool message that the tokenizer takes, and
@@ -374,7 +386,7 @@ def test_whatever_the_model_writes_ends_as_a_counted_tool_message():
 
 
 def test_a_tools_own_failure_is_counted_apart_from_the_models_and_said_once(monkeypatch, capsys):
-    """Issue 43: a tool's own exception looked like a model that cannot call tools. Now a ValueError the tool raises
+    """A tool's own exception looked like a model that cannot call tools. Now a ValueError the tool raises
     (the crop's box outside the image) is the model's mistake (BAD_CALL, tools/bad_call_frac); any other exception,
     a result that is no text nor image, a time-out are the tool's (TOOL_ERROR, tools/tool_error_frac), and the
     traceback of each distinct exception is printed once; the step line says the share of the tool's failures."""
@@ -411,7 +423,7 @@ def test_a_tools_own_failure_is_counted_apart_from_the_models_and_said_once(monk
 
 
 def test_time_outs_overlap_and_stuck_calls_are_bounded(monkeypatch):
-    """Issue 44: a turn's calls ran one after another, so two calls that timed out cost two time-outs, and the pool's
+    """A turn's calls ran one after another, so two calls that timed out cost two time-outs, and the pool's
     four threads, once stuck, made every later call wait and time out. Now every distinct call of a turn starts at
     once (two stuck calls cost one time-out), each on its own thread, and at most STUCK_MAX calls past their time
     run on: a call beyond them is answered at once, without running, saying so."""
@@ -450,7 +462,7 @@ def test_time_outs_overlap_and_stuck_calls_are_bounded(monkeypatch):
 
 
 def test_a_stuck_tool_does_not_hold_the_process_at_exit():
-    """Issue 44: the pool's worker that ran a call that never returns was joined at the interpreter's exit, so a run
+    """The pool's worker that ran a call that never returns was joined at the interpreter's exit, so a run
     printed [done] (or exit 75) and never exited. A call runs on a daemon thread now: the process exits."""
     import subprocess
     import sys
@@ -466,7 +478,7 @@ def test_a_stuck_tool_does_not_hold_the_process_at_exit():
 
 
 def test_a_huge_tool_image_takes_the_one_image_path_with_the_memory_bounded():
-    """Issue 44: a tool's 10,000 x 10,000 image went to the processor and vLLM as it was (the processor's own 12.8 MP
+    """A tool's 10,000 x 10,000 image went to the processor and vLLM as it was (the processor's own 12.8 MP
     cap: 16,384 image tokens where the planner counted --max_pixels' 4), and OOM-killed the rank. Every tool image is
     now downscaled to --max_pixels as the prompt's images are (an upright RGB one at once, without open_image's
     copies; others through data.load_image: an RGBA image on white, as a file's), and one past PIL's own bound is
@@ -514,7 +526,7 @@ assert grown < 0.6, grown
 
 
 def test_a_tool_that_returns_images_gets_an_image_limit_that_shows_them(monkeypatch):
-    """Issue 43: with the default --limit_images 1 every image a crop returned was refused ("the image limit is
+    """With the default --limit_images 1 every image a crop returned was refused ("the image limit is
     reached"), seen only in tools/failure_frac. An image-returning tool now gets a limit of a prompt's image and one
     for each turn after a call (toolbox.image_limit, said at start), which vLLM's limit_mm_per_prompt and the planner
     read; a text-only tool (-> str) adds none; a given --limit_images that leaves no room stops at start naming the
@@ -559,7 +571,8 @@ def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
     crop = list(toolbox.schemas(["crop"]).values())
     plain = data.prompt(AutoProcessor.from_pretrained(tiny_of("qwen2_5_vl")[0]), messages, crop)
-    assert plain.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions") and '"name": "crop"' in plain
+    assert plain.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert '"name": "crop"' in plain
     assert "chat template shows no tools" in capsys.readouterr().out
     _, processor, _ = sample_of()
     own = data.prompt(processor, messages, crop)
@@ -598,7 +611,8 @@ def test_the_planner_counts_the_tool_messages():
     s = planner.model_shape("qwen2.5-vl-7b")
     cluster = planner.Cluster(8, 1, 80, 1024)
     flags = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64", "--max_pixels", str(1280 * 28 * 28)]
-    plain, tools = (train.parse_args(flags + extra) for extra in ([], ["--tools", "crop", "--max_turns", "3", "--limit_images", "3"]))
+    plain, tools = (train.parse_args(flags + extra)
+                    for extra in ([], ["--tools", "crop", "--max_turns", "3", "--limit_images", "3"]))
     per_message = 1280 + toolbox.MAX_TEXT_CHARS + 64
     assert toolbox.trajectory_tokens(tools, 1280 * 28 * 28) == 2 * per_message
     kv_plain, kv_tools = (planner.vllm_cache(a, cluster, s, 2)[0] for a in (plain, tools))
@@ -618,8 +632,8 @@ def test_the_planner_counts_the_tool_messages():
 @pytest.mark.launch
 def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path):
     """A two-rank ZeRO-3 run of --tiny_task zoom for 3 steps where rank 1's rows show no tools (a row's own `tools`
-    field: one turn each) and rank 0's do (told to call, its prior calls the crop most of the time: two turns): every rank
-    runs as many turns as the busiest (a collective; vLLM on rank 1 gets no request in the second), trains on
+    field: one turn each) and rank 0's do (told to call, its prior calls the crop most of the time: two turns): every
+    rank runs as many turns as the busiest (a collective; vLLM on rank 1 gets no request in the second), trains on
     its own trajectories, and the sampler and the trainer agree on the model's tokens."""
     import json
 
@@ -634,11 +648,11 @@ def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path
         for i, r in enumerate(rows):
             f.write(json.dumps({**told(r), "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
                                 **({"tools": []} if i in rank1 else {})}) + "\n")
-    out, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3", "--val_freq", "0",
-                      "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
+    out, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3",
+                      "--val_freq", "0", "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
-    # issue 43: the image limit of a user's JSONL with the crop is derived and said, and no crop's image is refused
+    # the image limit of a user's JSONL with the crop is derived and said, and no crop's image is refused
     assert "[tools] crop: --limit_images 2 (derived: a prompt's image and one for each turn after a call" in log
     assert "a call's image was refused" not in log
     assert all(r["tools/turns_min"] == 1 and r["tools/turns_max"] == 2 for r in train_rows), train_rows
@@ -684,15 +698,16 @@ def test_the_docs_example_plugin_adds_a_tool_and_a_reward(flag, own_tables):
     import reward
     args = train.parse_args(["--tiny_task", "zoom", flag, EXAMPLE, "--tools", "crop", "quadrant",
                              "--reward_funcs", "accuracy", "tool_use", "--max_prompt_length", "1024"])
-    assert args.tools == ["crop", "quadrant"] and args.reward_funcs == ["accuracy", "tool_use"] and args.plugins == [EXAMPLE]
+    assert args.tools == ["crop", "quadrant"] and args.reward_funcs == ["accuracy", "tool_use"]
+    assert args.plugins == [EXAMPLE]
     model_dir, train_jsonl, _ = zoom("qwen2_5_vl")
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(model_dir)
     s = data.prepare(data.read_jsonl(train_jsonl)[0], processor, args, toolbox.schemas(args.tools))
     shown = data.prompt(processor, [{"role": "user", "content": "q"}], list(toolbox.schemas(args.tools).values()))
     assert '"name": "quadrant"' in shown and "top_left, top_right" in shown and s["tools"] == ["crop", "quadrant"]
-    parts, error, _ = toolbox.run_call('<tool_call>{"name": "quadrant", "arguments": {"which": "top_right"}}</tool_call>',
-                                    s, s["tools"])
+    parts, error, _ = toolbox.run_call(
+        '<tool_call>{"name": "quadrant", "arguments": {"which": "top_right"}}</tool_call>', s, s["tools"])
     original = data.open_image(s["sources"][0])
     want = data.downscale(original.crop((224, 0, 448, 224)), *s["pixel_bounds"])
     assert error is None and np.array_equal(np.asarray(parts[0]), np.asarray(want))
@@ -721,7 +736,8 @@ def test_a_plugin_that_cannot_be_used_stops_the_launch_naming_its_file(tmp_path,
             flags.parse_args(argv)
     assert "no_such_module_anywhere" in capsys.readouterr().err   # the plugin's own traceback
     own = tmp_path / "own_accuracy.py"
-    own.write_text("def accuracy(completions, **kwargs):\n    return [0.5] * len(completions)\n\nREWARDS = {'accuracy': accuracy}\n")
+    own.write_text("def accuracy(completions, **kwargs):\n    return [0.5] * len(completions)\n\n"
+                   "REWARDS = {'accuracy': accuracy}\n")
     flags.parse_args(["--plugins", str(own)])
     assert "reward 'accuracy' replaces the project's own" in capsys.readouterr().out
     assert reward.compute_rewards(["accuracy"], None, ["x"], {})[0] == [0.5]
@@ -804,7 +820,7 @@ TOOLS["crop"] = crop
     assert any(r["reward/tool_use"] > 0 for r in train_rows)   # a trajectory whose calls all worked scores 1
 @pytest.mark.launch
 def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
-    """Issue 44: a tool that never returned kept its rank alive after the run printed `[done]` or `checkpoint-2
+    """A tool that never returned kept its rank alive after the run printed `[done]` or `checkpoint-2
     written; exit 75`: the pool's worker was joined at the interpreter's exit, so tools/requeue.sh never returned 75
     and nothing was requeued. tests/tool_probes.py is train.py with the zoom model's crop replaced by one that never
     returns (toolbox.TOOL_TIME_S 1 s): a two-rank run behind tools/requeue.sh, SIGTERM to the script after step 1,

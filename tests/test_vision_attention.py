@@ -1,4 +1,4 @@
-"""The vision tower's attention (issue 42, point 4): transformers' sdpa path loops in Python over the segments of
+"""The vision tower's attention: transformers' sdpa path loops in Python over the segments of
 cu_seqlens, one call per window of Qwen2.5-VL's windowed blocks and per image or frame elsewhere; model.load_model
 installs model.vision_attention, one block-diagonal call per layer. Checked against transformers' own loop, forward
 and backward, on each family's tower; the padded layout's groups and mask; torch's varlen call site on meta tensors
@@ -82,7 +82,8 @@ def test_block_attention_pads_into_groups_and_masks_only_what_it_must():
     apart go in groups (at most a tenth more than each group's own work) with a (S, 1, 1, L) key mask, never a (T, T)
     one; every case equals one sdpa call per segment, forward and backward."""
     def loop(q, k, v, lengths):
-        outs = [torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in s), scale=0.3)
+        outs = [torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in s),
+                                                                 scale=0.3)
                 for s in zip(*(t.split(lengths) for t in (q, k, v)))]
         return torch.cat([o.squeeze(0).transpose(0, 1) for o in outs])
     for lengths, groups in (([16, 16, 16], [[0, 1, 2]]), ([16, 15, 16, 16], [[0, 1, 2, 3]]),

@@ -120,17 +120,19 @@ def test_agree_before_and_after_sync(setup):
     assert before < tol and after < tol and stale > 10 * tol, (before, stale, after)
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 1.0, 0), (1.3, 1.0, 0), (1.0, 0.8, 0), (0.6, 0.9, 0), (0.8, 1.0, 5),
-                                                   (0.8, 0.9, 5)])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 1.0, 0), (1.3, 1.0, 0), (1.0, 0.8, 0), (0.6, 0.9, 0),
+                                                   (0.8, 1.0, 5), (0.8, 0.9, 5)])
 def test_agree_at_any_temperature_top_p_and_top_k(setup, temperature, top_p, top_k):
     """Top-k, then the nucleus of the renormalised top-k (vLLM's order), on both sides."""
     llm, model, processor, samples, tol = setup
     if top_k and model.dtype == torch.bfloat16:
-        pytest.skip("bf16 (Qwen3.5 on CPU): the tiny model's 5th and 6th largest logits are one bf16 step apart (median "
-                    "gap 0.0078, tied in 1 of 20 positions, measured), while the two sides' kernels differ by ~1e-2: "
-                    "they keep different top-5 sets, and the kept mass differs by more than any bound (0.175 measured)")
+        pytest.skip("bf16 (Qwen3.5 on CPU): the tiny model's 5th and 6th largest logits are one bf16 step apart "
+                    "(median gap 0.0078, tied in 1 of 20 positions, measured), while the two sides' kernels differ "
+                    "by ~1e-2: they keep different top-5 sets, and the kept mass differs by more than any bound "
+                    "(0.175 measured)")
     rollout.sync_weights(llm, model, bucket_mb=1024)
-    assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p, top_k=top_k) < tol
+    assert max_logp_diff(llm, model, processor, samples, seed=30, temperature=temperature, top_p=top_p,
+                         top_k=top_k) < tol
 
 
 def test_a_sync_that_misses_a_weight_is_an_error(setup):
@@ -242,8 +244,8 @@ def test_lora_adapter_sync_agrees(world1, arch):
     from test_lora import perturb_adapter
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = tiny_of(arch)
-    args = train.parse_args(["--max_completion_length", str(MAX_TOKENS), "--tiny_arch", arch, "--use_peft", "--lora_r", "4",
-                             "--lora_sync", "adapter"])
+    args = train.parse_args(["--max_completion_length", str(MAX_TOKENS), "--tiny_arch", arch, "--use_peft",
+                             "--lora_r", "4", "--lora_sync", "adapter"])
     dtype = torch.bfloat16 if model_py.use_bf16(args, {"model_type": arch}, cuda=False) else torch.float32
     llm = rollout.create_engine(model_dir, args, str(dtype).removeprefix("torch."), max_num_seqs=64, rank=0)
     conftest._ENGINES[("lora_adapter", model_dir)] = llm   # kept alive: a collected engine takes vLLM's groups with it
@@ -252,7 +254,8 @@ def test_lora_adapter_sync_agrees(world1, arch):
     base = model_py.load_model(model_dir, args, dtype).eval()
     peft = model_py.trainable(copy.deepcopy(base), args).eval()
     tol = TOL[dtype]
-    rollout.sync_weights(llm, peft, bucket_mb=0, tied=base.lm_head.weight is base.get_input_embeddings().weight, merge=False)
+    rollout.sync_weights(llm, peft, bucket_mb=0, tied=base.lm_head.weight is base.get_input_embeddings().weight,
+                         merge=False)
     found = []
     for version in (1, 2):
         perturb_adapter(peft, seed=version)

@@ -5,7 +5,7 @@ from the environment, so that a launch under DeepSpeed's launcher can show that 
 
     python -m deepspeed.launcher.launch ... tests/tool_probes.py --tiny_task zoom ...
 
-(a script, not a plugin: loading a user's tools from a file of theirs is another issue's)."""
+(a script, not a plugin)."""
 import functools
 import os
 import sys
@@ -47,7 +47,8 @@ def crop_that_hangs(sample, *args, **kwargs):
 if __name__ == "__main__":
     import tiny
     import train
-    tiny.ensure_default(task="zoom")   # built with the real crop first: the build's own calls must return (a clean checkout)
+    # built with the real crop first: the build's own calls must return (a clean checkout)
+    tiny.ensure_default(task="zoom")
     toolbox.TOOLS["crop"] = crop_that_hangs
     toolbox.TOOL_TIME_S = float(os.environ.get("TOOL_TIME_S", toolbox.TOOL_TIME_S))
     train.main()

@@ -46,7 +46,8 @@ def run(task, seed, threshold, extra, procs, tag=""):
     with socket.socket() as sock:   # a free port: two sweeps side by side must not share a rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [os.path.join(ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", str(procs), "--master_port", str(port), "train.py", "--output_dir", out, "--seed", str(seed), "--tiny_task", task, "--val_freq", "10",
+    cmd = [os.path.join(ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", str(procs), "--master_port", str(port),
+           "train.py", "--output_dir", out, "--seed", str(seed), "--tiny_task", task, "--val_freq", "10",
            "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0", "--no-save_final_model", *extra]
     start = time.time()
     with open(out + ".log", "w") as log:
@@ -105,11 +106,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="colour", choices=["colour", "grounding", "zoom", "motion"])
     p.add_argument("--control", action="store_true", help="the zoom or motion demo's control (controls())")
-    p.add_argument("--plot", default=None, help="draw the runs of --seeds and their controls into this PNG; run nothing")
+    p.add_argument("--plot", default=None,
+                   help="draw the runs of --seeds and their controls into this PNG; run nothing")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--threshold", type=float, default=0.9, help="greedy validation reward (the grounding task's is its IoU)")
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="greedy validation reward (the grounding task's is its IoU)")
     p.add_argument("--procs", type=int, default=2)
-    p.add_argument("--tag", default="", help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
+    p.add_argument("--tag", default="",
+                   help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.plot:
         return plot(a.task, a.seeds, a.plot)
@@ -119,12 +123,15 @@ def main():
     for seed in a.seeds:
         results.append(run(a.task, seed, a.threshold, extra, a.procs, a.tag))
         print(json.dumps(results[-1]), flush=True)
-    print(f"\n{a.task}, {a.procs} processes, flags: {' '.join(extra) or '(the defaults)'}; greedy validation every 10 steps")
-    print("| seed | first step at >= %g | best (step) | last (step) | minutes |\n| --- | --- | --- | --- | --- |" % a.threshold)
+    print(f"\n{a.task}, {a.procs} processes, flags: {' '.join(extra) or '(the defaults)'}; "
+          "greedy validation every 10 steps")
+    print("| seed | first step at >= %g | best (step) | last (step) | minutes |\n"
+          "| --- | --- | --- | --- | --- |" % a.threshold)
     for r in results:
         best = "%.2f (%d)" % (r["best"][1], r["best"][0]) if r["best"] else "-"
         last = "%.2f (%d)" % (r["last"][1], r["last"][0]) if r["last"] else "-"
-        print(f"| {r['seed']} | {r['first'] if r['first'] is not None else 'never'} | {best} | {last} | {r['minutes']:.1f} |")
+        first = r['first'] if r['first'] is not None else 'never'
+        print(f"| {r['seed']} | {first} | {best} | {last} | {r['minutes']:.1f} |")
     print(f"{sum(r['first'] is not None for r in results)} of {len(results)} seeds reach {a.threshold}")
 
 
