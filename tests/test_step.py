@@ -24,9 +24,11 @@ G = 4
 
 class FakeLLM:
     """Stands in for vLLM: every request gets the completions `answer(request, k)` for k < n,
-    each sampled token with log-prob `logprob(k)` (-1). Records the requests and the weights it is sent."""
+    each sampled token with log-prob `logprob(k)` (-1). Records the requests and the weights it is
+    sent."""
     def __init__(self, tokenizer, answer, logprob=lambda k: -1.0):
-        self.tokenizer, self.answer, self.logprob, self.requests, self.params, self.weights = tokenizer, answer, logprob, [], [], []
+        self.tokenizer, self.answer, self.logprob, self.requests, self.params, self.weights = (
+            tokenizer, answer, logprob, [], [], [])
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: None)
 
     def generate(self, requests, params, use_tqdm=False, lora_request=None):
@@ -37,8 +39,9 @@ class FakeLLM:
             comps = []
             for k in range(sp.n):
                 ids = self.answer(r, k)
-                comps.append(types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=self.logprob(k))} for t in ids],
-                                                   finish_reason="stop", text=self.tokenizer.decode(ids)))
+                comps.append(types.SimpleNamespace(
+                    token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=self.logprob(k))} for t in ids],
+                    finish_reason="stop", text=self.tokenizer.decode(ids)))
             outs.append(types.SimpleNamespace(outputs=comps))
         return outs
 
@@ -69,12 +72,14 @@ class FakeEngine:
         import inspect
 
         import model
-        bound = inspect.signature(model.logps_forward).bind(None, **kw).arguments   # a missed or misspelt hop fails here
+        # a missed or misspelt hop fails here
+        bound = inspect.signature(model.logps_forward).bind(None, **kw).arguments
         unknown = set(bound.get("mm", {})) - set(model.MM_INPUTS) - set(model.PREFIX_INPUTS)
         if unknown:
             raise TypeError(f"FakeEngine: {sorted(unknown)} are not inputs of model.logps_forward")
         self.forwards += 1
-        cmask, targets = kw["completion_mask"], kw.get("targets")   # targets: the shared prefix's layout (data.collate_prefix)
+        # targets: the shared prefix's layout (data.collate_prefix)
+        cmask, targets = kw["completion_mask"], kw.get("targets")
         ids = targets if targets is not None else kw["input_ids"][:, -cmask.shape[1]:]
         ts = grpo.token_logps(lambda h: h * self.module.w, torch.ones(*cmask.shape, 1), ids, kw["sampling"],
                               with_entropy=kw.get("with_entropy", False), with_kept=kw.get("with_kept", False),
@@ -130,7 +135,8 @@ def colour_answer(tokenizer):
 def make_run(parts, tmp_path, **flags):
     processor, args, samples, pool = parts
     assert set(flags) <= set(vars(args)), f"not flags of train.py: {set(flags) - set(vars(args))}"
-    args = argparse.Namespace(**{**vars(args), "output_dir": str(tmp_path), **flags})   # parse_args's, with these changed
+    # parse_args's, with these changed
+    args = argparse.Namespace(**{**vars(args), "output_dir": str(tmp_path), **flags})
     banned = train.rollout.checkpoint_banned_ids(processor.tokenizer.name_or_path, processor.tokenizer)
     gas = len(samples) * args.num_generations // args.per_device_train_batch_size
     run = startup.Run(args=args, rank=0, world=1, device=torch.device("cpu"), gas=gas,
@@ -146,8 +152,8 @@ def groups_of(samples, lengths, advantages=None, logp=-1.0):
     """Groups of completions of the given lengths (token 5 repeated), sampled at log-prob `logp`, scored (total
     0), with the given advantages per group (default: 1, -1, 0.5, -0.5 in each)."""
     advantages = advantages or [[1.0, -1.0, 0.5, -0.5]] * len(samples)
-    return [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[logp] * n, text="",
-                                                                finish_reason="stop", total=0.0, advantage=a)
+    return [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[logp] * n,
+                                                                text="", finish_reason="stop", total=0.0, advantage=a)
                                                for k, (n, a) in enumerate(zip(ls, adv))])
             for s, ls, adv in zip(samples, lengths, advantages)]
 
@@ -159,7 +165,8 @@ def test_clip_flags_are_named_when_one_iteration_leaves_them_inert():
     recipe sets --epsilon_high; test_recipes checks the line)."""
     (note,) = train.inert_flags(train.parse_args(["--epsilon_high", "0.28"]))
     assert note.startswith("--epsilon_high act only with --num_iterations > 1")
-    assert train.inert_flags(train.parse_args(["--epsilon", "0.1", "--epsilon_high", "0.28", "--num_iterations", "2"])) == []
+    assert train.inert_flags(train.parse_args(["--epsilon", "0.1", "--epsilon_high", "0.28",
+                                               "--num_iterations", "2"])) == []
     assert train.inert_flags(train.parse_args([])) == []   # the defaults are not the user's
 
 
@@ -168,7 +175,8 @@ def test_parse_args_tiny_defaults_only_without_model():
     assert tiny.model is None and tiny.learning_rate == 1e-3 and tiny.max_completion_length == 1
     assert not tiny.gradient_checkpointing and tiny.max_steps == 300
     real = train.parse_args(["--model", "some/dir"])
-    assert real.learning_rate == 1e-6 and real.max_completion_length == 512 and real.reward_funcs == ["accuracy", "format"]
+    assert (real.learning_rate == 1e-6 and real.max_completion_length == 512
+            and real.reward_funcs == ["accuracy", "format"])
     assert real.gradient_checkpointing and real.lr_scheduler_type == "constant" and real.shared_prefix   # where it can
     assert not train.parse_args(["--model", "some/dir", "--no-shared_prefix"]).shared_prefix
     assert (tiny.rollout_batch_size, tiny.beta) == (32, 0.0)   # the colour demo's (TINY_TASKS)
@@ -251,7 +259,8 @@ def test_rollout_refuses_non_finite_sampler_logps(parts, tmp_path):
 
 def test_score_fills_rewards_and_failure_flags_per_group(parts, tmp_path, monkeypatch):
     run, samples = make_run(parts, tmp_path)
-    monkeypatch.setitem(train.reward.REWARDS, "picky", lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
+    monkeypatch.setitem(train.reward.REWARDS, "picky",
+                        lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
     run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], [1.0, 0.5]
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
@@ -356,7 +365,8 @@ def test_micro_batches_carry_what_the_update_needs(parts, tmp_path):
     batches = train.micro_batches(run, groups)
     assert len(batches) == len(samples) * G // 8
     b = batches[1]
-    assert b["inputs"]["completion_mask"].shape == (8, 1) and b["completions"] == groups[2].completions + groups[3].completions
+    assert (b["inputs"]["completion_mask"].shape == (8, 1)
+            and b["completions"] == groups[2].completions + groups[3].completions)
     assert set(b) == {"inputs", "completions", "chunks", "vision_calls"}   # a layout: every value lives on the records
 
 
@@ -370,14 +380,16 @@ def test_micro_batches_pad_to_their_own_longest(parts, tmp_path):
     batches = train.micro_batches(run, groups)
     widths = [b["inputs"]["completion_mask"].shape[1] for b in batches]
     assert widths == [1, 2, 2, 20] and [b["chunks"] for b in batches] == [1, 1, 1, 10]
-    assert sorted(id(c) for b in batches for c in b["completions"]) == sorted(id(c) for g in groups for c in g.completions)
+    assert (sorted(id(c) for b in batches for c in b["completions"])
+            == sorted(id(c) for g in groups for c in g.completions))
     assert batches[-1]["completions"][-1] is groups[0].completions[2]   # the 20-token answer, last
     padded = sum(b["inputs"]["completion_mask"].numel() for b in batches)
     assert padded == 4 * (1 + 2 + 2 + 20) < 16 * 20   # the step's longest everywhere: 320 tokens
     stats = learner.update(run, batches, train.Metrics())
     cmask = [b["inputs"]["completion_mask"] for b in batches]
     attn = [b["inputs"]["attention_mask"] for b in batches]
-    assert 0 < stats["update/padded_frac"] == pytest.approx(1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
+    assert 0 < stats["update/padded_frac"] == pytest.approx(
+        1 - sum(a.sum().item() for a in attn) / sum(a.numel() for a in attn))
     assert sum(c.sum().item() for c in cmask) == sum(map(sum, lengths))
 
 
@@ -386,7 +398,8 @@ def test_a_token_budget_fills_micro_batches_by_padded_size(parts, tmp_path):
     completion) fits the budget; the one long answer goes alone; and the update steps the optimizer once
     per iteration, at the last micro-batch, whatever their count."""
     prompt = parts[2][0]["hf"]["input_ids"].shape[1]
-    run, samples = make_run(parts, tmp_path, micro_batch_tokens=6 * (prompt + 2), shared_prefix=False)   # as set-up decides
+    run, samples = make_run(parts, tmp_path, micro_batch_tokens=6 * (prompt + 2),
+                            shared_prefix=False)   # as set-up decides
     lengths = [[1, 1, 100, 2], [1, 1, 2, 2], [2, 2, 1, 1], [2, 2, 1, 1]]
     groups = groups_of(samples, lengths)
     batches = train.micro_batches(run, groups)
@@ -429,7 +442,8 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
     blues = sum(g.sample["columns"]["solution"] == "blue" for g in groups)
     assert (w[red] > w[blue]) == (reds > blues) and w[red] != w[blue]
     assert set(stats) == {"train/loss", "train/clip_frac", "train/kl", "train/entropy", "train/grad_norm", "train/lr",
-                          "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac", "update/padded_frac"}
+                          "rollout/logp_diff_mean", "sampling/is_ratio_mean", "sampling/is_capped_frac",
+                          "update/padded_frac"}
     assert 0 < stats["train/entropy"] <= math.log(len(tok))   # the fake's unigram policy, token-weighted
     uniform = -math.log(len(tok) - len(run.sampling.banned))   # the fake policy before the step, banned ids excluded
     assert m["rollout/logp_diff_max"] == pytest.approx(abs(-1.0 - uniform))
@@ -438,7 +452,8 @@ def test_update_moves_the_policy_towards_rewarded_answers(parts, tmp_path):
 
 
 LOSS_FLAGS = [{}, {"loss_agg": "sequence"}, {"loss_agg": "dr_grpo"}, {"importance_sampling_level": "sequence"}] + [
-    {"vllm_importance_sampling_correction": m} for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")] + [
+    {"vllm_importance_sampling_correction": m}
+    for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")] + [
     {"vllm_importance_sampling_correction": "token_truncate", "vllm_importance_sampling_cap": 10.0},
     {"entropy_coef": 0.5}]
 
@@ -469,7 +484,8 @@ def test_each_loss_flag_changes_the_update(parts, tmp_path):
     assert any(p.abs().max() > 1e-3 for p in policies)
     for i in range(len(policies)):
         for j in range(i):
-            assert not torch.allclose(policies[i], policies[j], atol=1e-7), f"{LOSS_FLAGS[i]} gives the same step as {LOSS_FLAGS[j]}"
+            assert not torch.allclose(policies[i], policies[j], atol=1e-7), (
+                f"{LOSS_FLAGS[i]} gives the same step as {LOSS_FLAGS[j]}")
 
 
 def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(parts, tmp_path):
@@ -523,7 +539,8 @@ def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_pat
     w[red], w[blue], w[others] = 3.0, 2.9, torch.tensor([2.5, 2.4, 2.3, 2.2])   # no tie at the 5th logit
     logits = (w / 0.8).index_fill(0, torch.tensor(run.sampling.banned), float("-inf")).unsqueeze(0)
     full = torch.log_softmax(logits, -1)[0]
-    processed = torch.log_softmax(apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([5]), torch.tensor([0.9])), -1)[0]
+    processed = torch.log_softmax(
+        apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([5]), torch.tensor([0.9])), -1)[0]
     assert processed[red] > full[red] + 0.1                         # the truncation matters here
     run.llm = FakeLLM(tok, colour_answer(tok), logprob=lambda k: processed[red if k < 2 else blue].item())
     groups = train.rollout_groups(run, samples, step=1)
@@ -535,8 +552,10 @@ def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_pat
     m = train.Metrics()
     stats = learner.update(run, batches, m)
     assert m["rollout/logp_diff_max"] < 1e-5 and stats["rollout/logp_diff_mean"] < 1e-5
-    assert m["sampling/is_ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["sampling/is_ratio_max"] == pytest.approx(1.0, abs=1e-5)
-    assert groups[0].completions[0].old_logps.item() == pytest.approx(full[red].item(), abs=1e-6)   # pi_old: untruncated
+    assert (m["sampling/is_ratio_min"] == pytest.approx(1.0, abs=1e-5)
+            and m["sampling/is_ratio_max"] == pytest.approx(1.0, abs=1e-5))
+    # pi_old: untruncated
+    assert groups[0].completions[0].old_logps.item() == pytest.approx(full[red].item(), abs=1e-6)
 
 
 def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypatch):
@@ -566,7 +585,8 @@ def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypa
 # ----------------------------------------------------------------------------- logging, validation, checkpoint
 def test_log_step_writes_one_row_with_counts_summed(parts, tmp_path, monkeypatch):
     run, samples = make_run(parts, tmp_path)
-    monkeypatch.setitem(train.reward.REWARDS, "picky", lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
+    monkeypatch.setitem(train.reward.REWARDS, "picky",
+                        lambda completions, **kw: [None if c == "blue" else 1.0 for c in completions])
     run.args.reward_funcs, run.args.reward_weights = ["accuracy", "picky"], None
     groups = train.rollout_groups(run, samples, step=1)
     train.score(run, groups)
@@ -659,14 +679,16 @@ def _two_rank_worker(rank, port, out_dir):
     result = {}
     # vLLM tensor parallel 2 with an uneven split (601 validation samples over 2 ranks: 301 and 300)
     samples = [{"vllm_ids": [rank, i], "images": []} for i in range(3 if rank == 0 else 2)]
-    run = types.SimpleNamespace(args=train.parse_args(["--vllm_tensor_parallel_size", "2"]), tp_group=dist.new_group([0, 1]),
-                                device=torch.device("cpu"), llm=EchoLLM(), lora_request=None)
+    run = types.SimpleNamespace(args=train.parse_args(["--vllm_tensor_parallel_size", "2"]),
+                                tp_group=dist.new_group([0, 1]), device=torch.device("cpu"), llm=EchoLLM(),
+                                lora_request=None)
     result["tp_outputs"] = [o.prompt for o in train.run_vllm(run, samples, [types.SimpleNamespace(n=1)] * len(samples))]
     result["tp_expected"] = [s["vllm_ids"] for s in samples]
     # --scale_rewards batch: the std of the whole batch, both ranks' rewards
     mine = [[0.0, 1.0], [0.0, 3.0]] if rank == 0 else [[5.0, 5.0], [0.0, 10.0]]
     groups = [train.Group(sample={}, completions=[train.Completion(index=k, token_ids=[], sampler_logps=[], text="",
-                                                                    finish_reason="stop", total=v) for k, v in enumerate(r)])
+                                                                    finish_reason="stop", total=v)
+                                                  for k, v in enumerate(r)])
               for r in mine]
     run.args.scale_rewards, run.args.num_generations, run.world = "batch", 2, 2
     train.advantages(run, groups, {})
@@ -676,22 +698,25 @@ def _two_rank_worker(rank, port, out_dir):
     except RuntimeError as e:
         result["error"] = str(e)
     # each metric combines over ranks by the rule its producer stated
-    result["reduced"] = ranks.reduce_metrics({"n": ranks.Sum(1 + rank), "t": ranks.Max(rank), "free": ranks.Min(5 - rank),
-                                              "mean": 1.0 + 2 * rank}, torch.device("cpu"))
+    result["reduced"] = ranks.reduce_metrics({"n": ranks.Sum(1 + rank), "t": ranks.Max(rank),
+                                              "free": ranks.Min(5 - rank), "mean": 1.0 + 2 * rank},
+                                             torch.device("cpu"))
     try:   # a metric that the two ranks reduce differently
         ranks.reduce_metrics({"x": 1.0} if rank else {"x": ranks.Sum(1)}, torch.device("cpu"))
     except RuntimeError as e:
         result["metric_error"] = str(e)
     # metrics only some ranks log: the others hold none of them; a Mean weighs each rank by its count
     result["partial"] = ranks.reduce_metrics({"x": ranks.Mean(1.0, 3), "both": ranks.Mean(0.0, 1)} if rank == 0 else
-                                             {"y": ranks.Sum(2), "both": ranks.Mean(1.0, 3), "none": ranks.Mean(5.0, 0)},
+                                             {"y": ranks.Sum(2), "both": ranks.Mean(1.0, 3),
+                                              "none": ranks.Mean(5.0, 0)},
                                              torch.device("cpu"))
     # the mean reward per data source (a "source" field of the rows), over every rank's completions: rank 0 holds
     # source a [1, 0] and b [0, 0], rank 1 a [1, 1] and a [1, 0]: a is 4/6 (the mean of the ranks' means is 0.625)
     totals = [("a", [1.0, 0.0]), ("b", [0.0, 0.0])] if rank == 0 else [("a", [1.0, 1.0]), ("a", [1.0, 0.0])]
     groups = [train.Group(sample={"columns": {"source": src}}, completions=[
         train.Completion(index=k, token_ids=[5], sampler_logps=[-1.0], text="", finish_reason="stop", total=v,
-                         rewards={"accuracy": v}, failed={"accuracy": False}) for k, v in enumerate(t)]) for src, t in totals]
+                         rewards={"accuracy": v}, failed={"accuracy": False}) for k, v in enumerate(t)])
+              for src, t in totals]
     run = types.SimpleNamespace(args=train.parse_args(["--reward_funcs", "accuracy"]), device=torch.device("cpu"),
                                 stream=types.SimpleNamespace(skipped=0, empty_images=0), master=rank == 0,
                                 metrics_path=os.path.join(out_dir, "metrics.jsonl"),
@@ -750,7 +775,8 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
                              ref_logps=logps.detach() - 0.1)
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()), sampling=sampling).logps
+    alone = model(**data.collate([sample], [[7]], processor.tokenizer.pad_token_id, banned.tolist()),
+                  sampling=sampling).logps
     assert logps[1, :5].tolist() == [0.0] * 5 and logps[1, -1].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
 
 
@@ -758,7 +784,7 @@ def test_a_short_completion_beside_a_long_one_gives_finite_loss_and_gradients(ar
 def test_the_update_logs_the_entropy_without_a_graph_unless_it_trains(tiny_default, coef):
     """learner.update asks completion_logps for the entropy to log it. At --entropy_coef 0 it is never backpropagated,
     and with its graph alive the log-prob checkpoint kept every chunk's recomputed (rows, V) tensors (9 B an entry)
-    through the backward (issue 42: 5 GB on an H200, tests/test_grpo.py measures it): it comes without a gradient
+    through the backward (5 GB on an H200, as tests/test_grpo.py measures): it comes without a gradient
     then, and with one where the loss takes it."""
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = tiny_default
@@ -830,9 +856,11 @@ def test_shared_prefix_falls_back_where_a_row_cannot_share(tmp_path):
     assert "linear_attention" in model_py.shared_prefix_unsupported(AutoConfig.from_pretrained(tiny_of("qwen3_5")[0]))
     assert model_py.shared_prefix_unsupported(qwen25) is None
     assert "--micro_batch_tokens" in model_py.shared_prefix_unsupported(qwen25, micro_batch_tokens=64)
-    train.check_args(train.parse_args(["--num_generations", "4", "--micro_batch_tokens", "64"]), 1)   # the default: falls back
+    # the default: falls back
+    train.check_args(train.parse_args(["--num_generations", "4", "--micro_batch_tokens", "64"]), 1)
     with pytest.raises(SystemExit, match="--shared_prefix with --micro_batch_tokens"):
-        train.check_args(train.parse_args(["--num_generations", "4", "--shared_prefix", "--micro_batch_tokens", "64"]), 1)
+        train.check_args(train.parse_args(["--num_generations", "4", "--shared_prefix",
+                                           "--micro_batch_tokens", "64"]), 1)
     flash = train.parse_args(["--attn_implementation", "flash_attention_2"])
     assert model_py.attention(flash, qwen25, fast_vision=False) == {"": "sdpa", "text_config": "sdpa",
                                                                         "vision_config": "flash_attention_2"}
@@ -853,7 +881,8 @@ def test_shared_prefix_eager_path_creates_every_tensor_on_the_inputs_device(monk
     from transformers import AutoProcessor
 
     from conftest import tiny_of
-    factories = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.eye, torch.zeros_like}
+    factories = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.eye,
+                 torch.zeros_like}
     bare = []
 
     class Created(TorchFunctionMode):
@@ -921,7 +950,8 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False).last_hidden_state
         plain = grpo.token_logps(model.lm_head, hidden[:, -3:-1], batch["input_ids"][:, -2:], sampling).logps
-    assert torch.equal(logps.detach(), plain.masked_fill(batch["completion_mask"] == 0, 0.0))   # outside a completion: 0
+    # outside a completion: 0
+    assert torch.equal(logps.detach(), plain.masked_fill(batch["completion_mask"] == 0, 0.0))
     (logps * batch["completion_mask"]).sum().backward()
     grads = [p.grad for p in model.parameters() if id(p) in visual]
     assert all(g is not None and not g.any() for g in grads)   # every vision parameter: in the graph, unchanged
