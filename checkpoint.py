@@ -407,8 +407,9 @@ def checkpoints_newest_first(output_dir):
 
 def pick_checkpoint(args, rank, world):
     """A collective before anything heavy -> the checkpoint --resume names, or None (step 0). Its files are checked
-    against its manifest and its flags and data against this launch's, refused by SystemExit on every rank. With
-    --resume auto a damaged checkpoint is set aside and the newest whole one used. A refusal changes nothing on disk."""
+    against its manifest, its flags and data against this launch's: a change of what its state means is a SystemExit
+    on every rank. --resume auto sets a damaged checkpoint aside and takes the newest whole one. A refusal changes
+    nothing on disk."""
     if args.resume == "none":
         return None
     auto = args.resume == "auto"
