@@ -26,15 +26,18 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 # make demo [TASK=grounding|zoom|motion|judge] [ARCH=qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]: that task and model family
 # make demo TASK=judge: the colour task graded by a judge behind an OpenAI-compatible endpoint (a stand-in on
 # 127.0.0.1, tools/judge_server.py, started and stopped here; docs/judge.md)
+# Two jobs on one machine need their own ports: MASTER_PORT (deepspeed's --master_port, the ranks' rendezvous) and,
+# with TASK=judge, JUDGE_PORT (the stand-in judge), e.g. make demo TASK=judge MASTER_PORT=29501 JUDGE_PORT=8012
+MASTER_PORT ?= 29500
 JUDGE_PORT ?= 8011
 demo: venv
 ifeq ($(TASK),judge)
 	mkdir -p runs; $(PY) tools/judge_server.py --port $(JUDGE_PORT) > runs/judge_server.log 2>&1 & judge=$$!; \
-	trap "kill $$judge" EXIT; sleep 2; $(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo-judge \
-	--reward_funcs judge --judge_url http://127.0.0.1:$(JUDGE_PORT)/v1 --judge_model stand-in-judge --max_steps 80 \
+	trap "kill $$judge" EXIT; sleep 2; $(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py \
+	--output_dir runs/demo-judge --reward_funcs judge --judge_url http://127.0.0.1:$(JUDGE_PORT)/v1 --judge_model stand-in-judge --max_steps 80 \
 	$(if $(ARCH),--tiny_arch $(ARCH)) $(DEMO_FLAGS)
 else
-	$(VENV)/bin/deepspeed --num_gpus 2 train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
+	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 endif
 
 # Two pytest workers (pytest-xdist): a one-process launch and the tests without a launch leave a core idle otherwise.

@@ -185,7 +185,8 @@ def build_parser():
     g.add_argument("--judge_images", action="store_true",
                    help="send the sample's images (as the policy saw them, PNG) to a judge that sees images")
     g.add_argument("--judge_concurrency", type=int, default=16, help="requests in flight at once, per rank")
-    g.add_argument("--judge_timeout_s", type=float, default=60.0, help="seconds a request may take")
+    g.add_argument("--judge_timeout_s", type=float, default=60.0,
+                   help="seconds one try of a request may take, connecting and reading the whole reply")
     g.add_argument("--judge_retries", type=int, default=3,
                    help="retries of a request that timed out, could not connect or got a 5xx or 429, with backoff "
                         "(0.5, 1, 2, ... s)")
@@ -594,6 +595,8 @@ def check_args(args, world, local=None, cuda=None):
     need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
     need("judge" not in args.reward_funcs or (args.judge_url and args.judge_model),
          "--reward_funcs judge needs --judge_url (an OpenAI-compatible endpoint, .../v1) and --judge_model")
+    need(not args.judge_url or not (why := judge.url_problem(args.judge_url)), why)
+    need(not (why := judge.template_problem(args.judge_template)), why)
     need(args.judge_concurrency >= 1 and args.judge_retries >= 0 and args.judge_timeout_s > 0 and
          args.judge_max_failed_steps >= 1, f"--judge_concurrency {args.judge_concurrency} >= 1, --judge_retries "
          f"{args.judge_retries} >= 0, --judge_timeout_s {args.judge_timeout_s} > 0, --judge_max_failed_steps "

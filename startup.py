@@ -211,6 +211,11 @@ def settle_flags(args, rank, world, local_world):
     the derived micro-batch, the seeds. -> (args, micro-batches per step, the checkpoint or None)."""
     check_args(args, world)
     judge.configure(args)   # --reward_funcs judge: its endpoint and client
+    if args.judge_url:   # every rank asks the judge once; one that gets no answer stops them all alike
+        said = [None] * world
+        dist.all_gather_object(said, judge.probe())
+        if failed := [r for r, why in enumerate(said) if why]:
+            sys.exit(f"{said[failed[0]]} (rank {', '.join(map(str, failed))} of {world})")
     resume_from = checkpoint.pick_checkpoint(args, rank, world)
     if rank == 0:
         for note in inert_flags(args):

@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import judge
 import reward
+import startup
 import train
 from conftest import FAST, ROOT, free_port, launch, read_metrics
 
@@ -148,3 +150,112 @@ def test_a_judge_killed_mid_run_stops_the_run_saved_and_a_relaunch_resumes(tmp_p
             with open(os.path.join(d, f), "rb") as fh:
                 assert b"sk-never-written-0451" not in fh.read(), os.path.join(d, f)
     assert "sk-never-written-0451" not in first + log
+
+
+PARSED = [   # (reply, parser, score; None: a failure, never a 0)
+    ("Yes.", "yes_no", 1.0), ("no, it is blue", "yes_no", 0.0), ("maybe", "yes_no", None), ("", "yes_no", None),
+    ("Score: 0.75", "number", 0.75), ("0.8", "number", 0.8), ("Score: 0.2/1", "number", 0.2),
+    ("Rating: 1 out of 1", "number", 1.0), ("Score (0-1): 0.4", "number", 0.4), ("1.5", "number", None),
+    ("-0.5", "number", None), ("4/5", "number", None), ("no number here", "number", None),
+    ("I would rate this 3 out of 10.", "score_1_10", 2 / 9), ("7", "score_1_10", 6 / 9),
+    ("On a scale of 1 to 10: 8", "score_1_10", 7 / 9), ("Rating (1-10): 4", "score_1_10", 3 / 9),
+    ("I give it 7/10... final: 10", "score_1_10", 1.0), ("Score: 3. On reflection, score: 5", "score_1_10", 4 / 9),
+    ("Grade: 6 (it names 2 of the 3 objects)", "score_1_10", 5 / 9),
+    ("It names 2 of the 3 objects, so 7", "score_1_10", None), ("5/7", "score_1_10", None),
+    ("Score: 11", "score_1_10", None), ("eleven", "score_1_10", None), ("0", "score_1_10", None),
+]
+
+
+@pytest.mark.parametrize("reply,parser,score", PARSED, ids=[f"{p}:{r[:30]}" for r, p, _ in PARSED])
+def test_a_reply_scores_its_marked_number_or_fails(reply, parser, score):
+    """A fraction's numerator or the number after a score word; without one, the only number; several unmarked
+    numbers, a fraction off the scale, a number outside it: a failure."""
+    if score is None:
+        with pytest.raises(ValueError):
+            judge.parse(reply, parser)
+    else:
+        assert judge.parse(reply, parser) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("url,says", [
+    ("127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"), ("localhost:8000", "http://localhost:8000/v1"),
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000/v1"), ("http://h:8000/v1/chat/completions", "http://h:8000/v1"),
+    ("ftp://h/v1", "http://h/v1"), ("http://h:port/v1", "--judge_url")])
+def test_a_judge_url_without_a_scheme_or_v1_is_refused_with_the_fix(url, says):
+    args = train.parse_args(["--reward_funcs", "judge", "--judge_url", url, "--judge_model", "m"])
+    with pytest.raises(SystemExit, match="--judge_url") as e:
+        train.check_args(args, 1)
+    assert says in str(e.value)
+    for fine in ("http://127.0.0.1:8000/v1", "https://api.openai.com/v1/"):
+        train.check_args(train.parse_args(["--reward_funcs", "judge", "--judge_url", fine, "--judge_model", "m"]), 1)
+
+
+@pytest.mark.parametrize("url", ["http://user:hunter2@127.0.0.1:8000/v1", "user:hunter2@127.0.0.1:8000/v1",
+                                 "https://:hunter2@api.example.com/v1"])
+def test_a_judge_url_with_credentials_is_refused_without_printing_them(url):
+    args = train.parse_args(["--reward_funcs", "judge", "--judge_url", url, "--judge_model", "m"])
+    with pytest.raises(SystemExit, match="--judge_api_key_env") as e:
+        train.check_args(args, 1)
+    assert "hunter2" not in str(e.value) and "holds credentials" in str(e.value)
+
+
+@pytest.mark.parametrize("template", ["Grade {completion", "Grade {completion}}", "Grade {0}", "Grade {}",
+                                      "{sample.question}: {completion}", "{images[0]} {completion}",
+                                      "{completion!x}"])
+def test_a_malformed_judge_template_is_refused_at_start(template):
+    args = train.parse_args(["--reward_funcs", "judge", "--judge_url", "http://h/v1", "--judge_model", "m",
+                             "--judge_template", template])
+    with pytest.raises(SystemExit, match="--judge_template"):
+        train.check_args(args, 1)
+    for fine in (judge.DEFAULT_TEMPLATE, "{question} {completion!r} {{literal braces}}"):
+        train.check_args(train.parse_args(["--reward_funcs", "judge", "--judge_url", "http://h/v1", "--judge_model",
+                                           "m", "--judge_template", fine]), 1)
+
+
+def test_an_unreachable_judge_or_a_refused_key_stops_the_start_naming_the_flag(configured, world1):
+    """startup.settle_flags asks the judge's /v1/models once on every rank and stops them all alike: a closed port
+    names --judge_url, a 401 names --judge_api_key_env, a judge that answers lets the start go on."""
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    args = train.parse_args(["--reward_funcs", "judge", "--judge_url", closed, "--judge_model", "m",
+                             "--judge_timeout_s", "3"])
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match="--judge_url") as e:
+        startup.settle_flags(args, 0, 1, 1)
+    assert closed in str(e.value) and time.perf_counter() - t0 < 4
+    server, url = start_server("--api_key", "sk-right")
+    try:
+        os.environ["JUDGE_API_KEY"] = "sk-wrong"
+        configured("--judge_url", url, "--judge_model", "m")
+        assert "--judge_api_key_env" in judge.probe() and "sk-wrong" not in judge.probe()
+        os.environ["JUDGE_API_KEY"] = "sk-right"
+        assert judge.probe() is None
+    finally:
+        os.environ.pop("JUDGE_API_KEY", None)
+        server.kill()
+
+
+def test_the_timeout_bounds_the_whole_request_of_a_judge_that_trickles(configured):
+    """A judge that writes its reply one byte a second: with --judge_timeout_s 3 the request ends as a timeout
+    within about 3 s, not after the ~200 s the reply takes."""
+    server, url = start_server("--trickle_s", "1")
+    try:
+        configured("--judge_url", url, "--judge_model", "m", "--judge_timeout_s", "3", "--judge_retries", "0")
+        out = []
+        asking = threading.Thread(target=lambda: out.append(judge.ask([{"type": "text", "text": "hi"}])), daemon=True)
+        asking.start()
+        asking.join(10)
+    finally:
+        server.kill()
+    assert out, "the request outlived --judge_timeout_s 3 by 7 s"
+    score, reason, seconds = out[0]
+    assert score is None and reason == "timeout" and 3 <= seconds < 4, out
+
+
+@pytest.mark.parametrize("task", ["judge", ""])
+def test_every_demo_takes_the_launchers_and_the_judges_port(task):
+    """Two demos on one machine: MASTER_PORT goes to deepspeed's --master_port, JUDGE_PORT to the stand-in judge."""
+    r = subprocess.run(["make", "-n", "-o", "venv", "demo", f"TASK={task}", "MASTER_PORT=29611", "JUDGE_PORT=8123"],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "--master_port 29611" in r.stdout
+    if task == "judge":
+        assert "--port 8123" in r.stdout and "http://127.0.0.1:8123/v1" in r.stdout

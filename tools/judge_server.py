@@ -5,10 +5,13 @@ judge.DEFAULT_TEMPLATE: the answer to grade (its <answer>...</answer> if it has 
 SGLang, or a hosted API) at the same URL; docs/judge.md. It is no model: a tiny random-init one (this project's)
 writes no parsable grade.
 
-    python tools/judge_server.py --port 8011 [--delay_s 0.5] [--fail_every 7] [--log requests.jsonl]
+    python tools/judge_server.py --port 8011 [--delay_s 0.5] [--fail_every 7] [--trickle_s 1] [--api_key KEY]
+                                 [--log requests.jsonl]
 
---delay_s: seconds before each answer (a slow judge); --fail_every N: every N-th request answers 503; --log: one JSON
-line per request (its Authorization header's presence, never its value, and the prompt's text).
+--delay_s: seconds before each answer (a slow judge); --fail_every N: every N-th request answers 503; --trickle_s S:
+each grade's whole response (status line, headers, body) is written one byte every S seconds; --api_key: every
+request without `Authorization: Bearer KEY` answers 401; --log: one JSON line per request (its Authorization
+header's presence, never its value, and the prompt's text).
 """
 import argparse
 import json
@@ -32,25 +35,45 @@ def grade(text):
     return "yes" if norm(reference) == norm(answer) else "no"
 
 
-def serve(port, delay_s=0.0, fail_every=0, log=None, model="stand-in-judge"):
+def serve(port, delay_s=0.0, fail_every=0, log=None, model="stand-in-judge", trickle_s=0.0, api_key=None):
     count, lock = [0], threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
-        def reply(self, code, body):
+        def reply(self, code, body, trickle_s=0.0):
             data = json.dumps(body).encode()
+            if trickle_s:   # the whole response, its status line and headers too, one byte at a time
+                raw = (f"HTTP/1.0 {code} OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                       .encode() + data)
+                try:
+                    for i in range(len(raw)):
+                        self.wfile.write(raw[i:i + 1])
+                        time.sleep(trickle_s)
+                except OSError:   # the client gave up waiting
+                    pass
+                return
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
+        def refused(self):   # --api_key: a request without the key is refused, as a hosted API refuses it
+            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                self.reply(401, {"error": {"message": "invalid api key"}})
+                return True
+            return False
+
         def do_GET(self):
+            if self.refused():
+                return
             if self.path.rstrip("/") == "/v1/models":
                 return self.reply(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
             self.reply(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.refused():
+                return
             if self.path.rstrip("/") != "/v1/chat/completions":
                 return self.reply(404, {"error": {"message": f"no route {self.path}"}})
             content = body["messages"][-1]["content"]
@@ -68,7 +91,7 @@ def serve(port, delay_s=0.0, fail_every=0, log=None, model="stand-in-judge"):
                 return self.reply(503, {"error": {"message": "overloaded"}})
             self.reply(200, {"id": f"judge-{n}", "object": "chat.completion", "model": body.get("model", model),
                              "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": grade(text)}}]})
+                                          "message": {"role": "assistant", "content": grade(text)}}]}, trickle_s)
 
         def log_message(self, *a):   # quiet: the run's log is the one to read
             pass
@@ -84,6 +107,8 @@ if __name__ == "__main__":
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--delay_s", type=float, default=0.0)
     p.add_argument("--fail_every", type=int, default=0)
+    p.add_argument("--trickle_s", type=float, default=0.0)
+    p.add_argument("--api_key", default=None)
     p.add_argument("--log", default=None)
     a = p.parse_args()
-    serve(a.port, a.delay_s, a.fail_every, a.log)
+    serve(a.port, a.delay_s, a.fail_every, a.log, trickle_s=a.trickle_s, api_key=a.api_key)
