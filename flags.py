@@ -251,10 +251,10 @@ def build_parser():
     g.add_argument("--zero_offload", default=None, choices=["none", "optimizer", "all"],
                    help="ZeRO-3 offload for the whole run: none (fastest), optimizer (its states to host RAM) or all "
                         "(params too); default: all, or none with --offload_optimizer/--offload_model")
-    g.add_argument("--offload_optimizer", action="store_true",
+    g.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=False,
                    help="DURING ROLLOUTS only: move optimizer states + fp32 master weights + grads off the GPU, back "
                         "for the update; needs --zero_offload none")
-    g.add_argument("--offload_model", action="store_true",
+    g.add_argument("--offload_model", action=argparse.BooleanOptionalAction, default=False,
                    help="DURING ROLLOUTS only: move the trainer's ZeRO-3 param shards off the GPU, back for the "
                         "update; needs --zero_offload none or optimizer")
     g.add_argument("--ref_offload", action=argparse.BooleanOptionalAction, default=True,

@@ -642,9 +642,9 @@ def vllm_notes(args, cluster, s, p, cache, room):
         notes.append(f"vLLM: its weights ({s['n'] * p / tp / GB:.1f} GB per GPU) do not fit in "
                      f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} x {gb(cluster.gpu_gb)} GB")
     elif cache > room:
-        notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache and "
-                     f"linear-attention state, {room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves "
-                     f"(slower, no OOM)")
+        state = " and linear-attention state" if s["linear_state"] else ""   # Qwen3.5's Gated DeltaNet layers
+        notes.append(f"vLLM: the rollout's {max_seqs} sequences need {cache / GB:.1f} GB of KV cache{state}, "
+                     f"{room / GB:.1f} GB fit: it generates in ~{cache / room:.1f} waves (slower, no OOM)")
     # vLLM's Qwen2.5-VL budgets a video for 14 frames at most, and refuses one past its encoder cache
     if s["model_type"] == "qwen2_5_vl" and (one := video_tokens(args, s["grid"])) > vllm_batched_tokens(cluster):
         notes.append(f"vLLM: a video of {one} tokens is past its encoder cache ({vllm_batched_tokens(cluster)} tokens, "
@@ -677,39 +677,42 @@ def peaks(pl):
     return {ph: (sum(t["gpu"].values()), sum(t["host"].values())) for ph, t in pl["phases"].items()}
 
 
-def verdict(pl, cluster):
-    """-> (fits, lines): each phase's peak against the GPU (x MARGIN) and the host RAM (x HOST_MARGIN)."""
-    lines, fits = [], True
+def margins(pl, cluster):
+    """-> [(bytes over the usable limit, negative where there is room; the verdict's line)] for each phase and place
+    (MARGIN, HOST_MARGIN), and for vLLM's share when it cannot hold its weights and 1 GB of KV cache."""
+    out, usable = [], (MARGIN * cluster.gpu_gb, HOST_MARGIN * cluster.host_gb)   # GB
     for ph, (gpu, host) in peaks(pl).items():
-        over_gpu = gpu - MARGIN * cluster.gpu_gb * GB if cluster.cuda else 0
+        if cluster.cuda:
+            over = gpu - usable[0] * GB
+            out.append((over, f"  {ph}: the GPU runs out by {over / GB:.1f} GB ({gpu / GB:.1f} of {usable[0]:.0f} GB "
+                              f"usable)"))
         host = host if cluster.cuda else host * cluster.gpus_per_node   # the CPU stack's plan is per rank
-        over_host = host - HOST_MARGIN * cluster.host_gb * GB
-        if over_gpu > 0:
-            fits = False
-            lines.append(f"  {ph}: the GPU runs out by {over_gpu / GB:.1f} GB ({gpu / GB:.1f} of "
-                         f"{MARGIN * cluster.gpu_gb:.0f} GB usable)")
-        if over_host > 0:
-            fits = False
-            lines.append(f"  {ph}: host RAM runs out by {over_host / GB:.1f} GB ({host / GB:.1f} of "
-                         f"{HOST_MARGIN * cluster.host_gb:.0f} GB usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})")
+        over = host - usable[1] * GB
+        out.append((over, f"  {ph}: host RAM runs out by {over / GB:.1f} GB ({host / GB:.1f} of {usable[1]:.0f} GB "
+                          f"usable, {HOST_MARGIN:.0%} of {gb(cluster.host_gb)})"))
     if pl.get("vllm_room", 1) <= 0:   # vLLM refuses to start: its weights alone overflow its share
-        fits = False
-        lines.append(f"  load: vLLM's weights ({pl['vllm_weights'] / GB:.1f} GB per GPU) do not fit in its share of "
-                     f"the GPU; --vllm_gpu_memory_utilization {pl['vllm_need']:.2f} at least (with --sleep_level 1 "
-                     f"or 2 for the update)")
-    return fits, lines
+        over = GB - pl["vllm_room"]
+        weights = pl["vllm_weights"] / GB
+        out.append((over, f"  load: vLLM's share runs out by {over / GB:.1f} GB: its weights ({weights:.1f} GB per "
+                          f"GPU) and 1 GB of KV cache do not fit; --vllm_gpu_memory_utilization "
+                          f"{pl['vllm_need']:.2f} at least (with --sleep_level 1 or 2 for the update)"))
+    return out
+
+
+def verdict(pl, cluster):
+    """-> (fits, lines): the margins() lines of each phase and place that runs out."""
+    lines = [line for over, line in margins(pl, cluster) if over > 0]
+    return not lines, lines
 
 
 def worst(pl, cluster):
     """The largest overflow (bytes) over phases and places, negative when everything fits."""
-    out = []
-    for gpu, host in peaks(pl).values():
-        if cluster.cuda:
-            out.append(gpu - MARGIN * cluster.gpu_gb * GB)
-        out.append((host if cluster.cuda else host * cluster.gpus_per_node) - HOST_MARGIN * cluster.host_gb * GB)
-    if pl.get("vllm_room", 1) <= 0:   # vLLM cannot start: its share lacks this for its weights and 1 GB of KV cache
-        out.append(GB - pl["vllm_room"])
-    return max(out)
+    return max(over for over, _ in margins(pl, cluster))
+
+
+def worst_line(pl, cluster):
+    """The verdict's line of the phase and place that runs out by the most (worst's)."""
+    return max(margins(pl, cluster), key=lambda m: m[0])[1].strip()
 
 
 def lever_list(args, cluster, s=None):
@@ -802,6 +805,28 @@ AUTO = dict(sleep_level=(0, 2, 1), vllm_gpu_memory_utilization=(0.2, 0.3, 0.4, 0
             zero_offload=("none", "optimizer", "all"), offload_optimizer=(False, True), offload_model=(False, True),
             gradient_checkpointing=(False, True), ref_offload=(False, True), vllm_tensor_parallel_size=(1, 2, 4, 8),
             per_device_train_batch_size=None)   # None: every divisor of a rank's sequences up to --max_micro_batch
+CPU_LEVERS = ("gradient_checkpointing", "per_device_train_batch_size")   # the AUTO levers that act on the CPU stack
+# What has run on a GPU (docs/verification.md, "What was verified where"): one H200, one rank, no vLLM, the embedded
+# Qwen2.5-VL family's tiny and 100M models with each ZeRO-3 offload and --ref_offload either way. Widen it as
+# `make gpu-check` runs more.
+GPU_RUN = dict(vllm=False, ranks=1, model_types=("qwen2_5_vl",), params=1e8)
+
+
+def not_run_on_gpu(a, cluster, s):
+    """-> what of set-up `a` on `cluster` has not run on a GPU (GPU_RUN), a phrase each; [] on the CPU stack."""
+    if not cluster.cuda:
+        return []
+    world, out = cluster.gpus_per_node * cluster.nodes, []
+    if not GPU_RUN["vllm"]:
+        out.append(f"vLLM on a GPU (--sleep_level {a.sleep_level}, --vllm_tensor_parallel_size "
+                   f"{a.vllm_tensor_parallel_size})")
+    if world > GPU_RUN["ranks"]:
+        out.append(f"{world} ranks" + (f" over {cluster.nodes} nodes" if cluster.nodes > 1 else ""))
+    if s["model_type"] not in GPU_RUN["model_types"]:
+        out.append(f"the {s['model_type']} family")
+    if s["n"] > GPU_RUN["params"]:
+        out.append(f"{s['n'] / 1e9:.1f}B parameters")
+    return out
 
 
 def static_offload(args, cluster):
@@ -879,7 +904,7 @@ def candidates(args, cluster):
     divisors = tuple(d for d in range(args.max_micro_batch, 0, -1) if seqs % d == 0)
     opts = dict(AUTO, per_device_train_batch_size=divisors)
     if not cluster.cuda:   # the CPU stack: only what acts there
-        opts = {k: opts[k] for k in ("gradient_checkpointing", "per_device_train_batch_size")}
+        opts = {k: opts[k] for k in CPU_LEVERS}
     opts["vllm_tensor_parallel_size"] = tuple(t for t in opts.get("vllm_tensor_parallel_size", ())
                                               if cluster.gpus_per_node % t == 0)
     if args.beta == 0 or args.use_peft:
@@ -898,50 +923,52 @@ def candidates(args, cluster):
 
 def choose(args, cluster, s=None):
     """--memory auto: the fitting set-up with the lowest step_seconds -> (its args or None, its plan or the
-    plan closest to fitting, [(faster set-up that does not fit, seconds, why)])."""
+    plan closest to fitting, [(faster set-up that does not fit, seconds, its worst_line)])."""
     s = s or model_shape(args.model)
     ranked = sorted(((sum(step_seconds(a, cluster, s).values()), a.vllm_gpu_memory_utilization, i, a)
                      for i, a in enumerate(candidates(args, cluster))), key=lambda x: x[:3])
     rejected, closest = [], (math.inf, None)
     for secs, _, _, a in ranked:
         pl = plan(a, cluster, s)
-        fits, why = verdict(pl, cluster)
-        if fits:
+        if verdict(pl, cluster)[0]:
             return a, pl, rejected
-        rejected.append((a, secs, why[0].strip() if why else ""))
+        rejected.append((a, secs, worst_line(pl, cluster)))
         closest = min(closest, (worst(pl, cluster), a), key=lambda x: x[0])
     return None, plan(closest[1] or args, cluster, s), rejected
 
 
-def lever_flags(a, args=None):
-    """The AUTO levers of `a` as command-line flags, those that differ from `args` when given; --ref_offload
-    only where there is a reference model."""
+def lever_flags(a, args=None, cuda=True):
+    """The AUTO levers of `a` (CPU_LEVERS when not cuda) as flags that flags.parse_args takes, those that differ from
+    `args` when given; --ref_offload only where there is a reference model, an offload left off only as a difference."""
     out = []
-    for k in AUTO:
+    for k in AUTO if cuda else CPU_LEVERS:
         v = getattr(a, k)
-        if args is not None and getattr(args, k) == v:
+        if v is None or (args is not None and getattr(args, k) == v):   # None: the flag's default, decided later
             continue
         if k == "ref_offload" and (a.beta == 0 or a.use_peft):   # no reference model (LoRA: the adapter off)
             continue
-        if isinstance(v, bool) and k in ("gradient_checkpointing", "ref_offload"):   # on by default: --no-X
+        if isinstance(v, bool) and (v or args is not None or k in ("gradient_checkpointing", "ref_offload")):
             out.append(f"--{'' if v else 'no-'}{k}")
-        elif isinstance(v, bool):
-            out.append(f"--{k}" if v else "")
-        else:
+        elif not isinstance(v, bool):
             out.append(f"--{k} {v}")
-    return " ".join(x for x in out if x)
+    return " ".join(out)
+
+
+def as_run(args, cluster):
+    """args with the levers a launch decides later set to their values: the micro-batch (flags.micro_batch) and the
+    static offload (static_offload); every lever free (explicit empty)."""
+    mb = flags.micro_batch(args, cluster.gpus_per_node * cluster.nodes)
+    return argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": mb,
+                                 "zero_offload": static_offload(args, cluster)})
 
 
 def faster(args, cluster, s):
     """For a plan that fits -> [(flags, seconds saved per step)] of each single AUTO lever change that
     still fits and is faster, largest first."""
-    # the defaults as values, every lever free
-    mb = flags.micro_batch(args, cluster.gpus_per_node * cluster.nodes)
-    args = argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": mb,
-                                 "zero_offload": static_offload(args, cluster)})
+    args = as_run(args, cluster)
     base, out = sum(step_seconds(args, cluster, s).values()), {}
     for a in candidates(args, cluster):
-        change = lever_flags(a, args)
+        change = lever_flags(a, args, cluster.cuda)
         if change and " --" not in change:   # one lever at a time
             secs = base - sum(step_seconds(a, cluster, s).values())
             if secs > 0.05 and secs > out.get(change, 0) and verdict(plan(a, cluster, s), cluster)[0]:
@@ -950,8 +977,8 @@ def faster(args, cluster, s):
 
 
 def render_choice(args, cluster, s=None):
-    """--memory auto's table -> (args to run with, or None when nothing fits; the text): the choice and its step
-    time by term, the faster set-ups it rejected and why, then the chosen plan."""
+    """--memory auto's table -> (args to run with, or None when nothing fits; the text): the choice, what of it has not
+    run on a GPU, its step time by term, the faster set-ups it rejected with their worst phase, then the chosen plan."""
     s = s or model_shape(args.model)
     chosen, pl, rejected = choose(args, cluster, s)
     kept = [k for k in AUTO if k in getattr(args, "explicit", ())]
@@ -961,16 +988,19 @@ def render_choice(args, cluster, s=None):
                      "help:")
         return None, "\n".join(lines + [render(pl, cluster, levers(args, cluster, s, pl), terms=False)])
     t = step_seconds(chosen, cluster, s)
-    lines.append(f"  the run uses: {lever_flags(chosen)}")
+    lines.append(f"  the run uses: {lever_flags(chosen, cuda=cluster.cuda)}")
+    if untried := not_run_on_gpu(chosen, cluster, s):
+        lines.append(f"  not yet run on a GPU (docs/verification.md): {', '.join(untried)}")
     lines.append(f"  estimated {sum(t.values()):.1f} s per step (planner.COST's model): "
                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     shown = {}   # the fastest of each kind: set-ups that differ only in vLLM's share are one line
     for a, secs, why in rejected:
-        kind = lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0}))
+        kind = lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0}), cuda=cluster.cuda)
         shown.setdefault(kind, (a, secs, why))
     if shown:
-        lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds):")
-        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen) or '(another vLLM share)'}: {why}"
+        lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds, each with the levers "
+                     f"that differ from the run's and its worst phase):")
+        lines += [f"    {secs:7.1f} s  {lever_flags(a, chosen, cluster.cuda)}: {why}"
                   for a, secs, why in list(shown.values())[:5]]
     return chosen, "\n".join(lines + [render(pl, cluster, terms=False)])
 
@@ -992,13 +1022,16 @@ def gb(x):
 
 
 def auto_line(args, cluster, s):
-    """The line naming what --memory auto would run instead, every lever free."""
+    """The line naming what --memory auto would run instead, every lever free, and one naming what of it has not
+    run on a GPU."""
     free = argparse.Namespace(**{**vars(args), "explicit": [k for k in getattr(args, "explicit", ()) if k not in AUTO]})
     chosen, _, _ = choose(free, cluster, s)
     if chosen is None:
         return "[plan] --memory auto finds no set-up of its levers that fits either"
+    untried = not_run_on_gpu(chosen, cluster, s)
     return (f"[plan] --memory auto would run: {lever_flags(chosen, args) or '(the same levers)'} "
-            f"(estimated {sum(step_seconds(chosen, cluster, s).values()):.1f} s per step)")
+            f"(estimated {sum(step_seconds(chosen, cluster, s).values()):.1f} s per step)"
+            + (f"\n[plan] not yet run on a GPU (docs/verification.md): {', '.join(untried)}" if untried else ""))
 
 
 def render(pl, cluster, ranked=None, terms=True):
@@ -1089,7 +1122,9 @@ def main(argv):
     print(render(pl, cluster, levers(args, cluster, s, pl)))
     fits = verdict(pl, cluster)[0]
     if fits:
-        print("[plan] faster, and still fits (one lever each; planner.COST's estimate per step):")
+        base = sum(step_seconds(as_run(args, cluster), cluster, s).values())
+        print(f"[plan] estimated {base:.1f} s per step (planner.COST's model); faster, and still fits (one lever "
+              f"each, its change of those seconds):")
         print("\n".join(f"  {flag:<48} {-secs:+8.1f} s" for flag, secs in faster(args, cluster, s)[:8]) or "  nothing")
     elif cluster.cuda:
         print(auto_line(args, cluster, s))

@@ -902,3 +902,112 @@ def test_model_shape_and_tiny_models_beside_a_live_zero3_engine(world1, tmp_path
     saved = load_file(os.path.join(built, "model.safetensors"))
     assert all(t.numel() > 0 for t in saved.values()), [k for k, t in saved.items() if t.numel() == 0][:3]
     assert is_deepspeed_zero3_enabled()
+
+
+# ----------------------------------------------------------------------------- the printout
+# Qwen3-VL-8B at rollout batch 128 and 2,048-token completions on 8 x 80 GB: --memory auto picks sleep level 2,
+# vLLM TP 8 and --offload_optimizer, and refuses faster set-ups without the offload
+QWEN3_VL = ["--model", "qwen3-vl-8b", "--bf16", "--rollout_batch_size", "128", "--max_completion_length", "2048"]
+QWEN3_VL_CLUSTER = ["--gpus_per_node", "8", "--gpu_gb", "80", "--host_gb", "1024"]
+
+
+def printed(argv):
+    """planner.main(argv) -> (exit code, what it printed)."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = planner.main(argv)
+    return rc, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_auto():
+    return printed(QWEN3_VL + QWEN3_VL_CLUSTER + ["--memory", "auto"])[1]
+
+
+def suggestions(out):
+    """Every set of flags the printout offers to paste: the choice, each refused set-up, what --memory auto would run,
+    the faster single levers and the memory levers (their explanation in parentheses left out)."""
+    found = re.findall(r"the run uses: (.*)", out) + re.findall(r"--memory auto would run: (.*?) \(estimated", out)
+    found += re.findall(r"^ +[\d.]+ s  (.*?): \w+: ", out, re.M)   # the refused set-ups
+    found += re.findall(r"^  (--\S.*?)\s+[+-][\d.]+ (?:s|GB)$", out, re.M)   # the faster levers, the memory levers
+    return [f.split(" (")[0].split(" without ")[0] for f in found]
+
+
+def test_every_printed_suggestion_parses(qwen3_vl_auto):
+    """A flag line the plan prints parses with train.py's parser as it stands: --memory auto on the CPU stack
+    printed `--zero_offload None`, which argparse refuses. The CPU stack names only the levers that act there."""
+    import flags
+    cpu_argv = ["--memory", "auto", "--cpu", "--gpus_per_node", "2", "--host_gb", "64"]
+    manual = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64"]
+    cases = [([], printed(cpu_argv)[1]), (QWEN3_VL, qwen3_vl_auto),
+             (manual, printed(manual + ["--gpus_per_node", "8"])[1]),               # fits: the faster levers
+             (manual, printed(manual + ["--gpus_per_node", "1", "--gpu_gb", "24"])[1])]   # does not: auto's line
+    for base, out in cases:
+        found = suggestions(out)
+        assert found, out
+        for s in found:
+            flags.parse_args(base + s.split())   # SystemExit (argparse's error) fails the test
+    cpu_uses = re.search(r"the run uses: (.*)", cases[0][1]).group(1)
+    assert set(re.findall(r"--(?:no-)?(\w+)", cpu_uses)) <= set(planner.CPU_LEVERS), cpu_uses
+
+
+def test_a_refused_set_up_names_its_levers_and_its_worst_phase(qwen3_vl_auto):
+    """Each refused set-up's line, pasted after the choice's flags, is that set-up: the same estimated seconds, and
+    the phase and GB it names are its plan's worst (planner.worst). It named "load: the GPU runs out by 8.0 GB", the
+    first phase over, where the update ran out by 184 GB, and hid the --offload_optimizer it drops."""
+    import flags
+    cluster, s = planner.Cluster(8, 1, 80, 1024), planner.model_shape("qwen3-vl-8b")
+    uses = re.search(r"the run uses: (.*)", qwen3_vl_auto).group(1).split()
+    lines = re.findall(r"^ +([\d.]+) s  (.*?): (\w+): .* by ([\d.]+) GB", qwen3_vl_auto, re.M)
+    assert len(lines) == 5, qwen3_vl_auto
+    for secs, levers, phase, over in lines:
+        a = flags.parse_args(QWEN3_VL + uses + levers.split())
+        pl = planner.plan(a, cluster, s)
+        worst = planner.worst(pl, cluster)
+        overs = {ph: max(gpu - planner.MARGIN * 80 * GB, host - planner.HOST_MARGIN * 1024 * GB)
+                 for ph, (gpu, host) in planner.peaks(pl).items()}
+        assert (phase, float(over)) == (max(overs, key=overs.get), round(worst / GB, 1)), (levers, phase, over)
+        assert float(secs) == pytest.approx(sum(planner.step_seconds(a, cluster, s).values()), abs=0.051), levers
+
+
+def test_a_pick_that_has_not_run_on_a_gpu_is_said(qwen3_vl_auto):
+    """The pick (sleep level 2, vLLM TP 8, Qwen3-VL-8B on 8 GPUs) is said not to have run on a GPU, by the parts that
+    have not (planner.GPU_RUN, as docs/verification.md records: one H200, one rank, no vLLM); so is the manual plan's
+    line of what auto would run. The CPU stack says nothing of GPUs."""
+    line = re.search(r"not yet run on a GPU \(docs/verification.md\): (.*)", qwen3_vl_auto).group(1)
+    assert all(x in line for x in ("--sleep_level 2", "--vllm_tensor_parallel_size 8", "8 ranks", "qwen3_vl")), line
+    _, manual = printed(["--model", "qwen2.5-vl-7b", "--bf16", "--gpus_per_node", "1", "--gpu_gb", "24"])
+    assert re.search(r"--memory auto would run: .*\n\[plan\] not yet run on a GPU .*vLLM on a GPU", manual), manual
+    _, cpu = printed(["--memory", "auto", "--cpu", "--gpus_per_node", "2", "--host_gb", "64"])
+    assert "not yet run on a GPU" not in cpu
+    verification = open(os.path.join(ROOT, "docs", "verification.md")).read()
+    assert ("Not\nrun anywhere: vLLM on a GPU" in verification) == (not planner.GPU_RUN["vllm"])
+
+
+def test_the_manual_plan_prints_the_step_time_its_deltas_come_off():
+    """A manual plan that fits prints its own estimated step time, and each faster lever's delta is that lever's
+    step time less it (planner.step_seconds of the same flags with the lever added)."""
+    import flags
+    argv = ["--model", "qwen2.5-vl-7b", "--bf16", "--rollout_batch_size", "64"]
+    rc, out = printed(argv + ["--gpus_per_node", "8"])
+    base = float(re.search(r"\[plan\] estimated ([\d.]+) s per step \(planner.COST's model\); faster", out).group(1))
+    cluster, s = planner.Cluster(8, 1, 80, 1024), planner.model_shape("qwen2.5-vl-7b")
+    deltas = re.findall(r"^  (--\S.*?)\s+([+-][\d.]+) s$", out, re.M)
+    assert rc == 0 and deltas, out
+    args = flags.parse_args(argv)
+    mb = flags.micro_batch(args, 8)
+    for lever, delta in deltas:   # the run as launched: the default micro-batch and ds_zero3.json's static offload
+        a = flags.parse_args(argv + ["--per_device_train_batch_size", str(mb), "--zero_offload", "all", *lever.split()])
+        assert base + float(delta) == pytest.approx(sum(planner.step_seconds(a, cluster, s).values()), abs=0.11)
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-8b", "qwen3.5-9b"])
+def test_the_kv_note_names_linear_attention_state_only_where_the_family_has_it(name):
+    """A rollout in waves is said in KV cache for Qwen3-VL, which has no linear-attention layers; Qwen3.5's Gated
+    DeltaNet layers add their state to it."""
+    args = train.parse_args(["--model", name, "--bf16", "--rollout_batch_size", "128", "--max_completion_length",
+                             "2048"])
+    note = next(n for n in planner.plan(args, planner.Cluster(8, 1, 80, 1024))["notes"] if "waves" in n)
+    assert ("linear-attention state" in note) == (name == "qwen3.5-9b"), note
