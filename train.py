@@ -433,6 +433,9 @@ def reward_inputs(run, samples, comps):
     cols = data.reward_columns(samples)
     cols.update(completion_length=[c.length for c in comps],
                 max_completion_length=[run.args.max_completion_length] * len(comps))
+    if "judge" in run.args.reward_funcs:   # the judge's template names the image; --judge_images sends its pixels
+        cols.update(image=[s["sources"][0] if s["sources"] else None for s in samples],
+                    _images=[s["images"] for s in samples])
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps],
                                                                     skip_special_tokens=True),
