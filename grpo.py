@@ -112,6 +112,19 @@ def group_advantages(rewards, num_generations, estimator="grpo", scale_rewards="
     return adv.reshape(-1), zero_spread.float().mean().item()
 
 
+def spread_lost_to_precision(totals, dtype=torch.float32):
+    """totals (G,), one group's rewards (a list or tensor), NaN where unscored -> whether they differ while their
+    GRPO advantages computed in dtype (train.advantages' float32) are all zero or not finite: rewards too large
+    (1e200 is inf in float32) or too close for that precision."""
+    r = torch.as_tensor(totals, dtype=torch.float64).reshape(1, -1)     # (1, G)
+    scored = r[~r.isnan()]
+    if scored.numel() < 2 or not bool(scored.max() > scored.min()):
+        return False
+    r = r.to(dtype)
+    mean, std, _ = _group_stats(r)
+    adv = ((r - mean) / (std + 1e-4))[~r.isnan()]                       # as group_advantages' group scaling
+    return not bool(adv.isfinite().all() and adv.ne(0).any())
+
 def process_advantages(events, lengths, num_generations):
     """events: per completion [(token index, score)], None if unscored; lengths: its tokens -> ([(n,) per
     completion], the fraction of groups with zero spread). A token sums the group-normalised events from it on."""

@@ -1,8 +1,9 @@
 """Reward functions: plain functions, combined by a weighted sum.
 
 A reward function takes the completions (a list of str) and the dataset columns of each sample as keyword lists
-(`solution`, plus any extra JSONL field). It returns one value per completion: a float (None counts as a failure), or
-a list of (start, end, score) spans of the completion's characters, one score per step (a process reward). To add
+(`solution`, plus any extra JSONL field). It returns one value per completion: a real number of any type (Python,
+numpy or torch; the whole batch may be a 1-D array or tensor), None where it cannot score, or a list of
+(start, end, score) spans of the completion's characters, one score per step (a process reward). To add
 one, write a function and add it to REWARDS, or to the REWARDS of a file of your own (--plugins, docs/plugins.md).
 
     --reward_funcs accuracy format --reward_weights 1.0 0.5
@@ -17,13 +18,17 @@ one, write a function and add it to REWARDS, or to the REWARDS of a file of your
                     reward: the example of a reward per step)
     judge           an LLM judge's grade of the completion, from an OpenAI-compatible endpoint (judge.py: --judge_url)
 
-A function that raises, or returns None, NaN or a malformed span, fails for that completion (counted in
-`reward/<name>_failures`). train.py leaves the completion out of its group's statistics and out of the loss (its total
-here is a placeholder 0), and the run goes on. Left out on purpose: registries, a reward model in the training
-processes (the judge reward asks one behind an endpoint), partial credit in accuracy, and a time limit on math-verify
-outside the main thread (its limit is signal.alarm, which works only there). docs/step.md, "Rewards", has the details.
+A function that raises, or returns None, NaN, a number too large for a float, a dict or a malformed span, fails for
+that completion (counted in `reward/<name>_failures`; one line per reward and call says why, None excepted).
+train.py leaves the completion out of its group's statistics and out of the loss (its total here is a placeholder
+0), and the run goes on. A reward still running after SLOW_S seconds is named once. Left out on purpose: registries,
+a reward model in the training processes (the judge reward asks one behind an endpoint), partial credit in accuracy,
+and a time limit on math-verify outside the main thread (its limit is signal.alarm, which works only there).
+docs/step.md, "Rewards", has the details.
 """
+import collections
 import math
+import numbers
 import re
 import threading
 
@@ -37,6 +42,7 @@ CHOICE = re.compile(r"\(?([A-E])[).]?")                      # a whole multiple-
 LETTER = re.compile(r"(?<![A-Za-z0-9])([A-E])(?![A-Za-z0-9])")  # a capital standing alone ("I think B")
 NUMBER = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?%?")
 LATEX = re.compile(r"[$\\^]")
+SLOW_S = 30  # seconds a reward may run before compute_rewards names it, while it still runs
 # Box coordinates: a number not glued to a word, so the 2 of Qwen2.5-VL's "bbox_2d" key is skipped.
 COORD = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
 
@@ -188,18 +194,77 @@ REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty":
            "equation_steps": equation_steps, "judge": judge.judge}
 
 
+def real(value):
+    """value as a float if it is a real number of any type (bool, int, float, a numpy or torch scalar, a 0-d array),
+    else None. An int too large for a float raises OverflowError."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
 def spans_of(value, text):
-    """A reward's value for `text` -> [(start, end, score)], checked: 0 <= start < end <= len(text), a finite
-    score; else None."""
+    """A reward's value for `text` -> [(start, end, score)], checked: integers 0 <= start < end <= len(text), a finite
+    real score; else None."""
     if not isinstance(value, (list, tuple)):
         return None
     out = []
     for s in value:
-        if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, int) for x in s[:2])
-                and isinstance(s[2], (int, float)) and math.isfinite(s[2]) and 0 <= s[0] < s[1] <= len(text)):
+        if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, numbers.Integral) for x in s[:2])):
             return None
-        out.append((s[0], s[1], float(s[2])))
+        try:
+            score = real(s[2])
+        except OverflowError:
+            return None
+        if score is None or not math.isfinite(score) or not 0 <= s[0] < s[1] <= len(text):
+            return None
+        out.append((int(s[0]), int(s[1]), score))
     return out
+
+
+def score_of(value, text):
+    """A reward's value for one completion `text` -> (score: a finite float or None, its spans or None, why it is no
+    score: "" for a score or for None)."""
+    if value is None:
+        return None, None, ""
+    steps = spans_of(value, text) if isinstance(value, (list, tuple)) else None
+    if isinstance(value, (list, tuple)) and steps is None:
+        return None, None, "a malformed span list"
+    try:
+        score = sum(s for _, _, s in steps) if steps is not None else real(value)
+    except OverflowError:
+        return None, None, "too large for a float"
+    if score is None:
+        return None, None, f"a {type(value).__name__}"
+    return (score, steps, "") if math.isfinite(score) else (None, None, "NaN or infinite")
+
+
+def call(name, completions, columns):
+    """REWARDS[name] on the batch -> its values, one per completion; all None, with a line that says why, if it
+    raises or returns something else than one value per completion. Named once if it runs past SLOW_S seconds."""
+    n = len(completions)
+    slow = threading.Timer(SLOW_S, print, [f"[reward] {name} still running after {SLOW_S:g} s on {n} completions"],
+                           {"flush": True})
+    slow.daemon = True
+    slow.start()
+    try:
+        values = REWARDS[name](completions, **columns)
+        if isinstance(values, (dict, str)) or getattr(values, "ndim", 1) != 1:
+            shape = f" of shape {tuple(values.shape)}" if hasattr(values, "shape") else ""
+            problem = (f"returned a {type(values).__name__}{shape}; a reward returns one number per completion (a "
+                       f"list, or a 1-D array or tensor), None where it cannot score, or a list of spans")
+        else:
+            values = values.tolist() if hasattr(values, "tolist") else list(values)
+            problem = None if len(values) == n else f"returned {len(values)} values for {n} completions"
+    except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave the batch out
+        problem = f"raised {type(e).__name__}: {e}"
+    finally:
+        slow.cancel()
+        slow.join()
+    if problem:
+        print(f"[reward] {name} {problem}; this batch's completions count as its failures (left out of their groups' "
+              f"statistics and of the loss)")
+        return [None] * n
+    return values
 
 
 def weights_of(names, weights):
@@ -217,21 +282,15 @@ def compute_rewards(names, weights, completions, columns, spans=None):
     weights = weights_of(names, weights)
     total, scores, failed = [0.0] * len(completions), {}, {}
     for name, w in zip(names, weights):
-        try:
-            values = list(REWARDS[name](completions, **columns)) if completions else []
-            if len(values) != len(completions):
-                raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception as e:  # a buggy reward must not kill a days-long run: count, warn, leave the batch out
-            print(f"[reward] {name} raised {type(e).__name__}: {e}; this batch's completions count as its failures "
-                  f"(left out of their groups' statistics and of the loss)")
-            values = [None] * len(completions)
-        steps = [spans_of(v, c) if isinstance(v, (list, tuple)) else None for v, c in zip(values, completions)]
-        values = [sum(s for _, _, s in st) if st is not None else None if isinstance(v, (list, tuple)) else v
-                  for v, st in zip(values, steps)]
-        clean = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
-        failed[name] = [v is None for v in clean]
-        scores[name] = [0.0 if v is None else float(v) for v in clean]
+        judged = [score_of(v, c) for v, c in zip(call(name, completions, columns) if completions else [], completions)]
+        why = collections.Counter(y for _, _, y in judged if y)
+        if why:
+            print(f"[reward] {name}: {sum(why.values())} of {len(judged)} values are not scores "
+                  f"({', '.join(f'{k} {y}' for y, k in why.items())}); those completions count as its failures. A "
+                  f"reward returns per completion a real number, None where it cannot score, or a list of spans")
+        failed[name] = [x is None for x, _, _ in judged]
+        scores[name] = [0.0 if x is None else x for x, _, _ in judged]
         total = [t + w * v for t, v in zip(total, scores[name])]
-        if spans is not None and any(st is not None for st in steps):
-            spans[name] = steps
+        if spans is not None and any(st is not None for _, st, _ in judged):
+            spans[name] = [st for _, st, _ in judged]
     return total, scores, failed

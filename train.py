@@ -174,7 +174,7 @@ def main(argv=None):
             log_step(run, step, m, groups, stats)
             if run.master:
                 bar.set_postfix_str(step_line(m))
-            if why := judge_gave_up(run, step, m):   # --judge_max_failed_steps steps without one score: stop, saved
+            if why := judge_gave_up(run, step, m, last=step == args.max_steps):   # no scores: stop, saved
                 save(run, step)
                 finish(run, export=False)
                 sys.exit(why)
@@ -433,6 +433,9 @@ def reward_inputs(run, samples, comps):
     cols = data.reward_columns(samples)
     cols.update(completion_length=[c.length for c in comps],
                 max_completion_length=[run.args.max_completion_length] * len(comps))
+    if "judge" in run.args.reward_funcs:   # the judge's template names the image; --judge_images sends its pixels
+        cols.update(image=[s["sources"][0] if s["sources"] else None for s in samples],
+                    _images=[s["images"] for s in samples])
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps],
                                                                     skip_special_tokens=True),
@@ -464,6 +467,12 @@ def advantages(run, groups, m):
         adv, zero_spread = grpo.group_advantages(rewards, args.num_generations, args.advantage_estimator,
                                                  everyone=everyone, **options)
         adv = adv.tolist()
+        lost = [g.sample["where"] for g in groups
+                if grpo.spread_lost_to_precision([c.total if c.scored else float("nan") for c in g.completions])]
+        if lost:   # rewards that differ but whose advantages came out 0 (or not finite) in float32
+            print(f"[reward] {len(lost)} group(s) ({lost[0]}, ...) have rewards that differ but zero advantages: "
+                  f"their spread is lost to float32 precision (values near 1e38 or beyond, or differences below 1e-7 "
+                  f"of their size); scale the reward")
     for c, a in zip(comps, adv):
         c.advantage = a
     m["reward/zero_spread_groups"] = ranks.Mean(zero_spread, len(groups))
@@ -530,9 +539,11 @@ def validate(run, step, m):
     ranks.reduce_metrics(m, run.device)
     if run.master:
         print(f"[val] step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()))
-        for s, c, r in list(zip(run.val_samples, comps, total))[:args.log_completions]:
+        for i, (s, c, r) in enumerate(list(zip(run.val_samples, comps, total))[:args.log_completions]):
             calls = "".join(f" [call {t!r}: {e or 'ok'}]" for t, e, _ in c.calls)   # --tools: each call and how it went
-            print(f"    {s['where']}:{calls} {c.text!r} -> {r:.2f}")
+            unscored = [k for k in args.reward_funcs if failed[k][i]]
+            print(f"    {s['where']}:{calls} {c.text!r} -> " + (f"unscored ({', '.join(unscored)} failed)" if unscored
+                                                                   else f"{r:.2f}"))
     logs.write_metrics(run, m, step)
     return m
 
@@ -620,15 +631,20 @@ def judge_metrics():
             **{f"judge/{k}": ranks.Sum(v) for k, v in st.items() if k.startswith("failed_")}}
 
 
-def judge_gave_up(run, step, m):
-    """The message to stop with after --judge_max_failed_steps steps in a row without a score, else None."""
+def judge_gave_up(run, step, m, last=False):
+    """The message to stop with after --judge_max_failed_steps steps in a row without a score, or a last step
+    without one (no final model is exported from it), else None."""
     if "judge" not in run.args.reward_funcs:
         return None
     failed = sum(v for k, v in m.items() if k.startswith("judge/failed_"))
     run.judge_silent = run.judge_silent + 1 if m.get("judge/requests", 0) and failed >= m["judge/requests"] else 0
-    if run.judge_silent < run.args.judge_max_failed_steps:
+    if run.judge_silent < (1 if last else run.args.judge_max_failed_steps):
         return None
     reasons = ", ".join(k[len("judge/failed_"):] for k in m if k.startswith("judge/failed_"))
+    if last and run.judge_silent < run.args.judge_max_failed_steps:
+        return (f"error: the judge at {run.args.judge_url} gave no score in the last {run.judge_silent} step(s) "
+                f"({reasons}); checkpoint-{step} is written and no final model is exported. Check the server "
+                f"(and --judge_model, --judge_api_key_env)")
     return (f"error: the judge at {run.args.judge_url} gave no score in {run.judge_silent} steps in a row ({reasons}); "
             f"checkpoint-{step} is written. Check the server (and --judge_model, --judge_api_key_env), then relaunch: "
             f"the run resumes")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -259,3 +260,30 @@ def test_every_demo_takes_the_launchers_and_the_judges_port(task):
     assert "--master_port 29611" in r.stdout
     if task == "judge":
         assert "--port 8123" in r.stdout and "http://127.0.0.1:8123/v1" in r.stdout
+
+
+def test_the_judge_sees_the_images_the_policy_saw_on_every_request(configured, parts, tmp_path):
+    """--judge_images: every request train.py sends (ask_judge, then score's collection) carries the sample's
+    downscaled image as an image_url part, counted by the stand-in server on the wire; the template's {image} names
+    the row's image; score's collection finds ask_judge's requests (no second request without the image)."""
+    processor, args, samples, _ = parts
+    log = tmp_path / "requests.jsonl"
+    server, url = start_server("--log", str(log))
+    try:
+        flags = ["--judge_url", url, "--judge_images", "--judge_template", "Image {image}. {completion}? yes or no"]
+        configured(*flags)
+        run = types.SimpleNamespace(args=train.parse_args(["--reward_funcs", "judge", *flags]))
+        groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5], sampler_logps=[-1.0],
+                                                                      text=f"red {i} {k}", finish_reason="stop")
+                                                     for k in range(2)]) for i, s in enumerate(samples)]
+        train.ask_judge(run, groups)
+        comps = [c for g in groups for c in g.completions]
+        cols = train.reward_inputs(run, [g.sample for g in groups for _ in g.completions], comps)
+        reward.compute_rewards(["judge"], None, [c.text for c in comps], cols)
+    finally:
+        server.kill()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == len(comps), "score's collection sent requests of its own: its fields differ from ask_judge's"
+    assert all(r["images"] == 1 for r in rows), [r["images"] for r in rows]
+    names = {os.path.basename(s["sources"][0]) for s in samples}
+    assert all(any(n in r["text"] for n in names) and "(none)" not in r["text"] for r in rows), rows[0]["text"]

@@ -1,10 +1,14 @@
 """Reward functions: literal completions, exact expected rewards."""
 import math
 import threading
+import time
 
+import numpy as np
 import pytest
+import torch
 from math_verify.errors import TimeoutException
 
+import grpo
 import model
 import reward
 
@@ -225,3 +229,105 @@ def test_a_reward_that_raises_says_its_completions_are_failures_not_zeros(capsys
         del reward.REWARDS["broken"]
     out = capsys.readouterr().out
     assert failed == {"broken": [True, True]} and "failures" in out and "scored 0" not in out
+
+
+def scored_by(monkeypatch, values, completions=("a", "b"), spans=None):
+    """compute_rewards over `completions` with one reward, "mine", that returns `values`."""
+    monkeypatch.setitem(reward.REWARDS, "mine", lambda completions, **kw: values)
+    return reward.compute_rewards(["mine"], [2.0], list(completions), {}, spans)
+
+
+@pytest.mark.parametrize("values,expected", [
+    (np.array([0.5, 1.0], dtype=np.float32), [0.5, 1.0]),
+    (np.array([2, -3], dtype=np.int64), [2.0, -3.0]),
+    ([np.float32(0.25), np.int64(1)], [0.25, 1.0]),
+    (np.float16([0.5, 0.75]), [0.5, 0.75]),
+    (torch.tensor([0.5, 1.0]), [0.5, 1.0]),
+    (torch.tensor([0.5, 1.0], dtype=torch.float64, requires_grad=True), [0.5, 1.0]),
+    (torch.tensor([1, 0]), [1.0, 0.0]),
+    ([torch.tensor(0.5), torch.tensor(3)], [0.5, 3.0]),
+    ([np.array(0.5), 2], [0.5, 2.0]),
+    ([True, False], [1.0, 0.0]),                       # Python bools counted as 1/0, as before
+    ([np.bool_(True), torch.tensor(False)], [1.0, 0.0]),
+])
+def test_a_reward_may_return_any_real_number_type(monkeypatch, capsys, values, expected):
+    """numpy and torch scalars, 1-D arrays and tensors are the numbers they hold, not failures."""
+    total, scores, failed = scored_by(monkeypatch, values)
+    assert failed == {"mine": [False, False]} and scores == {"mine": expected}
+    assert total == [2.0 * v for v in expected] and all(type(v) is float for v in scores["mine"] + total)
+    assert capsys.readouterr().out == ""
+
+
+def test_span_rewards_may_use_numpy_numbers(monkeypatch):
+    spans = {}
+    total, _, failed = scored_by(monkeypatch, [[(np.int64(0), np.int64(1), np.float32(0.5))], []], spans=spans)
+    assert failed == {"mine": [False, False]} and total == [1.0, 0.0] and spans == {"mine": [[(0, 1, 0.5)], []]}
+
+
+@pytest.mark.parametrize("values", [{"a": 1.0, "b": 0.0}, {0: 0.25, 1: 0.75}])
+def test_a_reward_returning_a_dict_is_refused_by_name(monkeypatch, capsys, values):
+    """A dict is not scored as its keys: every completion fails, and the line names the reward and what it must
+    return."""
+    total, scores, failed = scored_by(monkeypatch, values)
+    out = capsys.readouterr().out
+    assert failed == {"mine": [True, True]} and total == [0.0, 0.0]
+    assert out.count("\n") == 1 and "mine" in out and "dict" in out and "one number per completion" in out
+
+
+def test_a_dict_per_completion_fails_that_completion_and_says_so(monkeypatch, capsys):
+    total, _, failed = scored_by(monkeypatch, [{"score": 1.0}, 0.5])
+    out = capsys.readouterr().out
+    assert failed == {"mine": [True, False]} and total == [0.0, 1.0]
+    assert out.count("\n") == 1 and out.startswith("[reward] mine") and "dict" in out
+
+
+def test_a_number_too_large_for_a_float_fails_its_completion_not_the_run(monkeypatch, capsys):
+    total, _, failed = scored_by(monkeypatch, [10 ** 400, 0.5])
+    out = capsys.readouterr().out
+    assert failed == {"mine": [True, False]} and total == [0.0, 1.0]
+    assert out.count("\n") == 1 and out.startswith("[reward] mine") and "too large" in out
+
+
+def test_values_that_are_not_scores_are_said_once_per_reward_and_call(monkeypatch, capsys):
+    """NaN, infinity, a string, a malformed span list: failures as before, now with one line that counts each kind;
+    None stays the silent "cannot score this" of a reward (a row without a solution)."""
+    values = [math.nan, float("inf"), np.float32("nan"), "0.5", [(0, 99, 1.0)], None, 1.0]
+    total, _, failed = scored_by(monkeypatch, values, completions=["abc"] * 7)
+    out = capsys.readouterr().out
+    assert failed == {"mine": [True] * 6 + [False]} and total == [0.0] * 6 + [2.0]
+    assert out.count("\n") == 1 and out.startswith("[reward] mine: 5 of 7 values are not scores")
+    assert "3 NaN or infinite" in out and "1 a str" in out and "1 a malformed span list" in out
+    scored_by(monkeypatch, [None, 1.0])
+    assert capsys.readouterr().out == ""
+
+
+def test_a_slow_reward_is_named_while_it_runs(monkeypatch, capsys):
+    """One line past SLOW_S while the reward still runs; no timer thread outlives the call; the scores are the
+    same."""
+    def sleepy(completions, **kwargs):
+        time.sleep(0.5)
+        return [1.0] * len(completions)
+    monkeypatch.setitem(reward.REWARDS, "sleepy", sleepy)
+    monkeypatch.setattr(reward, "SLOW_S", 0.05)
+    threads = threading.active_count()
+    total, _, failed = reward.compute_rewards(["sleepy", "format"], None, ["a", "b"], {})
+    out = capsys.readouterr().out
+    assert out == "[reward] sleepy still running after 0.05 s on 2 completions\n"
+    assert total == [1.0, 1.0] and failed == {"sleepy": [False, False], "format": [False, False]}
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("totals,lost", [
+    ([1.0, 0.0, 0.0, 0.0], False),
+    ([3.0, 3.0, math.nan], False),                   # no spread to lose
+    ([math.nan, 5.0, math.nan], False),              # one scored completion: no spread
+    ([1e200, 0.0, 0.0, 0.0], True),                  # inf in float32
+    ([1e20, 0.0, 0.0, 0.0], True),                   # centred 7.5e19, its square 5.6e39 > float32's 3.4e38: std inf
+    ([1e18, 0.0], False),                            # centred 5e17, square 2.5e35: fits, advantages -+0.707
+    ([1e8, 1e8 + 1, math.nan], True),                # float32's spacing at 1e8 is 8: both read 1e8
+    ([1e8, 1e8 + 16], False),                        # 16 apart: mean 1e8 + 8, advantages -+0.707
+    (torch.tensor([1e200, 0.0], dtype=torch.float64), True),
+    (torch.tensor([1.0, math.nan, 2.0]), False),
+])
+def test_spread_lost_to_precision(totals, lost):
+    assert grpo.spread_lost_to_precision(totals) is lost

@@ -960,3 +960,52 @@ def test_text_only_micro_batch_runs_the_vision_tower_with_no_effect(arch):
     assert calls == [1, 1]                    # a micro-batch with an image calls it once, for real
     with pytest.raises(TypeError, match="not multimodal inputs"):   # not silently handed to the HF model
         model(**batch, sampling=sampling, input_features=torch.zeros(1))   # audio: no family here takes it
+
+
+def test_a_group_whose_spread_is_lost_to_float32_is_said(parts, tmp_path, capsys, monkeypatch):
+    """Rewards of 1e200 and 0 in one group differ, but in float32 their advantages are 0 (or not finite): the step
+    says which group lost its spread instead of training on nothing in silence."""
+    run, samples = make_run(parts, tmp_path)
+    groups = train.rollout_groups(run, samples, step=1)
+    monkeypatch.setitem(train.reward.REWARDS, "huge", lambda completions, **kw: [1e200 * (k % 2)
+                                                                                for k in range(len(completions))])
+    run.args.reward_funcs, run.args.reward_weights = ["huge"], None
+    train.score(run, groups)
+    capsys.readouterr()
+    train.advantages(run, groups, {})
+    out = capsys.readouterr().out
+    assert f"{len(groups)} group(s) ({samples[0]['where']}, ...)" in out and "float32" in out, out
+    run.args.reward_funcs = ["accuracy"]   # ordinary rewards: nothing said
+    for g in groups:
+        for c in g.completions:
+            c.total = None
+    train.score(run, groups)
+    capsys.readouterr()
+    train.advantages(run, groups, {})
+    assert "spread" not in capsys.readouterr().out
+
+
+def test_validation_prints_an_unscored_completion_as_unscored(parts, tmp_path, capsys, monkeypatch):
+    """A completion no reward could score prints "unscored" and the reward that failed, never "-> 0.00"."""
+    run, samples = make_run(parts, tmp_path, log_completions=4)
+    monkeypatch.setattr(train, "sync", lambda run, m: None)
+    monkeypatch.setattr(train, "sleep", lambda run, m: None)
+    monkeypatch.setitem(train.reward.REWARDS, "never", lambda completions, **kw: [None] * len(completions))
+    run.args.reward_funcs, run.args.reward_weights = ["accuracy", "never"], None
+    train.validate(run, 1, {})
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("    ")]
+    assert len(lines) == 4 and all(x.endswith("-> unscored (never failed)") for x in lines), lines
+
+
+def test_a_run_whose_judge_gave_no_score_in_its_last_step_is_not_exported():
+    """The step counter of silent judge steps: the stop after --judge_max_failed_steps in a row, and at the last
+    step one silent step is enough (train.main then saves, exports nothing and exits with the message)."""
+    args = train.parse_args(["--reward_funcs", "judge", "--judge_url", "http://127.0.0.1:9/v1",
+                             "--judge_max_failed_steps", "3"])
+    run = types.SimpleNamespace(args=args, judge_silent=0)
+    silent = {"judge/requests": 8, "judge/failed_connection": 8}
+    assert train.judge_gave_up(run, 1, silent) is None and run.judge_silent == 1
+    why = train.judge_gave_up(run, 2, silent, last=True)
+    assert why and "last 2 step(s)" in why and "no final model" in why and "checkpoint-2" in why
+    run.judge_silent = 0
+    assert train.judge_gave_up(run, 2, {"judge/requests": 8, "judge/failed_timeout": 3}, last=True) is None
