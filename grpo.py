@@ -125,6 +125,7 @@ def spread_lost_to_precision(totals, dtype=torch.float32):
     adv = ((r - mean) / (std + 1e-4))[~r.isnan()]                       # as group_advantages' group scaling
     return not bool(adv.isfinite().all() and adv.ne(0).any())
 
+
 def process_advantages(events, lengths, num_generations):
     """events: per completion [(token index, score)], None if unscored; lengths: its tokens -> ([(n,) per
     completion], the fraction of groups with zero spread). A token sums the group-normalised events from it on."""
