@@ -97,6 +97,26 @@ def open_image(source, name=None, max_pixels=None):
     return im
 
 
+def image_size(source, name=None, max_pixels=None):
+    """open_image's sizes from the image's header alone -> ((w, h) upright, (w, h) upright as open_image decodes it:
+    a JPEG far above `max_pixels` decodes smaller). Raises ValueError naming the file, as open_image does."""
+    name = name or str(source)
+    try:
+        opened = not isinstance(source, Image.Image)
+        im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) if opened else source
+        with im if opened else contextlib.nullcontext(im):
+            # a PNG's getexif decodes the pixels to reach an EXIF after them: only one before them is read here
+            exif = im.getexif() if im.format != "PNG" or "exif" in im.info else {}
+            size = im.size
+            if max_pixels:
+                im.draft("RGB", (int(max_pixels ** 0.5) * 2,) * 2)   # open_image's: it sets the size, decodes nothing
+            decoded = im.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
+    turned = exif.get(0x0112, 1) in (5, 6, 7, 8)
+    return (size[::-1], decoded[::-1]) if turned else (size, decoded)
+
+
 # ----------------------------------------------------------------------------- videos
 # A video is decoded with PyAV (FFmpeg in a wheel), its frames chosen and downscaled once, as qwen-vl-utils does.
 # The same frames and timestamps go to vLLM and to training: the processor never samples or resizes again.
@@ -293,8 +313,9 @@ def decode_frames(container, stream, times, start, fps, size_of):
     return np.stack(frames), indices
 
 
-def read_jsonl(path):
-    """Rows of a JSONL file; a bad line is reported with its line number and skipped."""
+def read_jsonl(path, dropped=None):
+    """Rows of a JSONL file; a bad line is skipped and said with its line number, or put in the list `dropped` as
+    (file:line, reason)."""
     rows = []
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
@@ -307,7 +328,10 @@ def read_jsonl(path):
                     raise ValueError(f"a JSON {type(row).__name__}, not an object {{...}}")
                 rows.append(dict(row, _where=f"{path}:{i}", _id=sample_id(row)))
             except (UnicodeDecodeError, ValueError) as e:   # json.JSONDecodeError is a ValueError
-                print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
+                if dropped is None:
+                    print(f"[data] {path}:{i}: skipped, {type(e).__name__}: {e}")
+                else:
+                    dropped.append((f"{path}:{i}", f"{type(e).__name__}: {e}"))
     if not rows:
         sys.exit(f"error: {path} has no usable samples")
     return rows
@@ -385,8 +409,9 @@ def normalise(row, mapping=None):
 
 class Rows:
     """Random access to the rows of a JSONL, parquet or HF datasets source, with our field names. HF rows are read (and
-    their images decoded) only when asked for. `fingerprint`: the source's, with its number of rows."""
-    def __init__(self, path, columns=(), image_root=None):
+    their images decoded) only when asked for. `fingerprint`: the source's, with its number of rows. `dropped`: as
+    read_jsonl takes it."""
+    def __init__(self, path, columns=(), image_root=None, dropped=None):
         self.path, self.mapping = path, dict(c.split("=", 1) for c in columns)
         self.image_root = image_root or (path if os.path.isdir(path) else os.path.dirname(path))
         if os.path.isdir(path) or path.endswith(".parquet"):
@@ -398,7 +423,7 @@ class Rows:
                 sys.exit(f"error: {path} has no usable samples")
             ids = list(self.rows["id"]) if "id" in self.rows.column_names else []   # a column: no image decoded
         else:
-            self.rows = read_jsonl(path)
+            self.rows = read_jsonl(path, dropped)
             ids = [r["id"] for r in self.rows if "id" in r]
         # a sample's "id" field is its identity only when every row has its own; else its content is (sample_id)
         self.own_ids = len(ids) == len(self.rows) and len(set(map(repr, ids))) == len(ids)
@@ -467,9 +492,18 @@ def said_link(base, name):
               f"are trusted, docs/data.md); said once for the links in {key[0]} into {key[1]}", flush=True)
 
 
-def check_row(row, args):
-    """The checks of a row that open no file: its image and video fields, a finite solution, every field a chosen
-    reward needs. -> (its images, its videos) as given; raises ValueError naming the row."""
+class Unusable(ValueError):
+    """A row that cannot be trained on: "<where>: <reason> (<detail>)". check_source counts rows by `reason`, which
+    holds nothing of one row's own, and shows the first rows with their `detail`."""
+    def __init__(self, where, reason, detail=None):
+        super().__init__(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason, self.detail = reason, detail
+
+
+def check_row(row, args, limits=("limit_images", "limit_videos")):
+    """The checks of a row that open no file: its image and video fields and their `limits`, a finite solution, every
+    field a chosen reward needs, a row's tools, the fields --question_template takes (there, and not empty). -> (its
+    images, its videos) as given; raises ValueError naming the row."""
     where = row["_where"]
     images = row.get("image", row.get("images"))
     images = [] if images is None or images == "" else list(images) if isinstance(images, (list, tuple)) else [images]
@@ -494,7 +528,65 @@ def check_row(row, args):
             raise ValueError(f"{where}: no field {field!r}, which --reward_funcs {' '.join(names)} "
                              f"{'needs' if len(names) == 1 else 'need'}; the row has "
                              f"{sorted(k for k in row if not k.startswith('_'))}")
+    if "limit_images" in limits and len(images) > args.limit_images:
+        raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
+    if "limit_videos" in limits and len(videos) > args.limit_videos:
+        raise ValueError(f"{where}: {len(videos)} video(s) > --limit_videos {args.limit_videos}"
+                         + (" (videos are off by default: pass --limit_videos 1)" if not args.limit_videos else ""))
+    tools = getattr(args, "tools", None) or []
+    names = row.get("tools", list(tools))   # a row may show fewer tools than --tools, or none
+    if not isinstance(names, list) or set(names) - set(tools):
+        raise ValueError(f"{where}: tools {names!r}: a row's own tools are a list of --tools "
+                         f"({' '.join(tools) or 'none given'})")
+    try:
+        args.question_template.format(**row)
+    except (KeyError, IndexError) as e:
+        raise ValueError(f"{where}: no field {e} that --question_template {args.question_template!r} needs; "
+                         f"the sample has {sorted(k for k in row if not k.startswith('_'))}") from None
+    for _, field, _, _ in string.Formatter().parse(args.question_template):
+        value = row.get(field, "-")
+        if value is None or isinstance(value, str) and not value.replace("<image>", "").replace("<video>", "").strip():
+            raise ValueError(f"{where}: its {field!r} is empty ({value!r}), which --question_template shows: the "
+                             f"prompt would ask nothing of it")
     return images, videos
+
+
+BOX_REWARDS = ("iou",)   # the rewards that read `solution` as a box [x1, y1, x2, y2] in pixels of the original image
+# How a family writes a box (model.FAMILIES norm_bbox), said where a solution is in another convention
+ANSWER_UNITS = {"none": "in pixels of the image it sees", "norm1000": "from 0 to 1000 across the image"}
+
+
+def check_box(row, args, size=None, norm_bbox="none"):
+    """With a box reward among --reward_funcs: the row's solution is a box as reward.box_of reads it (four numbers,
+    x1 < x2 and y1 < y2) in pixels of the original image of `size` (w, h; None: not checked against it), within a
+    pixel of it, not a 0-1 box. Raises Unusable naming the row."""
+    names = [n for n in getattr(args, "reward_funcs", ()) if n in BOX_REWARDS]
+    if not names or row.get("solution") is None:   # a missing solution: check_row's
+        return
+    where, value, rule = row["_where"], row["solution"], " ".join(names)
+    shown = f"solution {value!r}"[:80]
+    numeric = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value)
+    nums = [float(v) for v in value] if numeric else [float(v) for v in reward.COORD.findall(str(value))[:4]]
+    if len(nums) != 4 or not all(map(math.isfinite, nums)):
+        raise Unusable(where, f"solution is not a box: {rule} reads four numbers x1, y1, x2, y2 from it", shown)
+    x1, y1, x2, y2 = nums
+    if not (x1 < x2 and y1 < y2):
+        raise Unusable(where, f"solution is no box with x1 < x2 and y1 < y2 (inverted or empty): {rule} scores it as "
+                              f"a failure", shown)
+    if size is None:
+        return
+    w, h = size
+    units = f" (this model answers {ANSWER_UNITS.get(norm_bbox, norm_bbox)}, norm_bbox {norm_bbox}, and {rule} " \
+        f"rescales its answer)" if norm_bbox else ""
+    if all(0 <= v <= 1 for v in nums):
+        raise Unusable(where, f"solution is a 0-1 normalised box; {rule} reads the solution in pixels of the original "
+                              f"image whatever the model{units}: multiply each x by the image's width and each y by "
+                              f"its height", f"{shown}, image {w} x {h}")
+    if min(x1, y1) < -1 or x2 > w + 1 or y2 > h + 1:
+        scale = "; a box on norm1000's 0-1000 scale is no solution here: convert it to pixels" \
+            if norm_bbox == "norm1000" and max(nums) <= 1000 else ""
+        raise Unusable(where, f"solution is a box outside its image (by more than a pixel): {rule} reads the "
+                              f"solution in pixels of the original image{scale}", f"{shown}, image {w} x {h}")
 
 
 # The columns the run gives every reward beside the row's own fields (prepare: image_size, seen_size, norm_bbox;
@@ -514,6 +606,44 @@ def reward_needs(names):
     return needs
 
 
+def image_root_of(row):
+    """The folder a row's relative image and video paths start from."""
+    return row.get("_image_root") or os.path.dirname(row["_where"].rsplit(":", 1)[0])
+
+
+def source_of(item, base, kind="image"):
+    """A row's image or video entry (a path, or what HF datasets store: a decoded image or {"bytes", "path"}) -> what
+    open_image and load_video take: its path under `base` (image_path), its bytes, or the image."""
+    if isinstance(item, dict):
+        return item["bytes"] if item.get("bytes") else image_path(base, item["path"], kind)
+    return image_path(base, item, kind) if isinstance(item, str) else item
+
+
+def prompt_text(row, processor, args, tools, images, videos):
+    """A checked row's prompt by the chat template: `images` images and `videos` videos, then its question, with the
+    tools it shows ({name: JSON schema}). -> (the text, the tools' names); raises ValueError when the template shows
+    another number of videos."""
+    content = [{"type": "image"} for _ in range(images)] + [{"type": "video"} for _ in range(videos)] + \
+        [{"type": "text", "text": args.question_template.format(**row)}]
+    messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
+        [{"role": "user", "content": content}]
+    names = row.get("tools", list(tools))   # a row may show fewer tools than --tools, or none
+    text = prompt(processor, messages, [tools[n] for n in names])
+    pad = getattr(processor, "video_token", "<|video_pad|>")
+    if text.count(pad) != videos:
+        raise ValueError(f"{row['_where']}: the chat template wrote {text.count(pad)} {pad} for {videos} video(s); a "
+                         f"template without videos cannot show one")
+    return text, names
+
+
+def check_length(where, tokens, args, videos=()):
+    """Raises Unusable when a prompt of `tokens` (its image and video tokens included) is over --max_prompt_length."""
+    if tokens > args.max_prompt_length:
+        raise Unusable(where, f"prompt over --max_prompt_length {args.max_prompt_length} (its image and video tokens "
+                              f"included); raise it or lower --max_pixels"
+                              + (" / --video_total_pixels, --video_max_frames" if videos else ""), f"{tokens} tokens")
+
+
 def prepare(row, processor, args, tools=None, norm_bbox="none"):
     """One row -> a prepared sample: the same downscaled images and video frames for vLLM and for training, the
     prompt's token ids for both, the reward columns. `tools`: {name: JSON schema} of --tools; `norm_bbox`: the model
@@ -524,58 +654,29 @@ def prepare(row, processor, args, tools=None, norm_bbox="none"):
                         f"tools=toolbox.schemas(args.tools)")
     where = row["_where"]
     images, videos = check_row(row, args)
-    if len(images) > args.limit_images:
-        raise ValueError(f"{where}: {len(images)} images > --limit_images {args.limit_images}")
-    if len(videos) > args.limit_videos:
-        raise ValueError(f"{where}: {len(videos)} video(s) > --limit_videos {args.limit_videos}"
-                         + (" (videos are off by default: pass --limit_videos 1)" if not args.limit_videos else ""))
-    base = row.get("_image_root") or os.path.dirname(where.rsplit(":", 1)[0])
-
-    def source(im, kind="image"):   # a path, or what HF datasets store: a decoded PIL image or {"bytes", "path"}
-        if isinstance(im, dict):
-            return im["bytes"] if im.get("bytes") else image_path(base, im["path"], kind)
-        return image_path(base, im, kind) if isinstance(im, str) else im
+    base = image_root_of(row)
     try:   # each path resolved once (image_path also says a link out of the root)
         pil, clips = [], []
         for k, im in enumerate(images):
-            src = source(im)
+            src = source_of(im, base)
             pil.append(load_image(src, args.min_pixels, args.max_pixels, image_grid(processor),
                                   name=src if isinstance(im, str) else f"#{k}"))
         for k, v in enumerate(videos):
-            src = [source(f, "video frame") for f in v] if isinstance(v, list) else source(v, "video")
+            src = [source_of(f, base, "video frame") for f in v] if isinstance(v, list) else source_of(v, base, "video")
             clips.append(load_video(src, args, image_grid(processor), processor.video_processor.temporal_patch_size,
                                     name=src if isinstance(v, str) else f"#{k}"))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    check_box(row, args, pil[0].info["original_size"] if pil else None, norm_bbox)
     if clips and isinstance(row.get("question"), str):   # the conversation layouts' <video> placeholder, as <image>
         row = dict(row, question=row["question"].replace("<video>", "").strip())
-    try:
-        question = args.question_template.format(**row)
-    except (KeyError, IndexError) as e:
-        raise ValueError(f"{where}: no field {e} that --question_template {args.question_template!r} needs; "
-                         f"the sample has {sorted(k for k in row if not k.startswith('_'))}") from None
-    content = [{"type": "image"} for _ in pil] + [{"type": "video"} for _ in clips] + \
-        [{"type": "text", "text": question}]
-    messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
-        [{"role": "user", "content": content}]
-    names = row.get("tools", list(tools))   # a row may show fewer tools than --tools, or none
-    if not isinstance(names, list) or set(names) - set(tools):
-        raise ValueError(f"{where}: tools {names!r}: a row's own tools are a list of --tools "
-                         f"({' '.join(tools) or 'none given'})")
-    text = prompt(processor, messages, [tools[n] for n in names])
-    pad = getattr(processor, "video_token", "<|video_pad|>")
-    if text.count(pad) != len(clips):
-        raise ValueError(f"{where}: the chat template wrote {text.count(pad)} {pad} for {len(clips)} video(s); a "
-                         f"template without videos cannot show one")
+    text, names = prompt_text(row, processor, args, tools, len(pil), len(clips))
     # the frames as they are (video_kwargs), with the times they were taken at (each family's processor reads them)
     shown = dict(videos=[f for f, _ in clips], video_metadata=[{k: v for k, v in m.items() if k != "do_sample_frames"}
                                                                 for _, m in clips],
                  videos_kwargs=video_kwargs(processor, args)) if clips else {}
     hf = processor(text=[text], images=pil or None, **shown, return_tensors="pt")
-    if hf["input_ids"].shape[1] > args.max_prompt_length:
-        raise ValueError(f"{where}: prompt has {hf['input_ids'].shape[1]} tokens (with image and video tokens) > "
-                         f"--max_prompt_length {args.max_prompt_length}; raise it or lower --max_pixels"
-                         + (" / --video_total_pixels, --video_max_frames" if clips else ""))
+    check_length(where, hf["input_ids"].shape[1], args, clips)
     # vLLM takes ONE <|image_pad|> per image (and <|video_pad|> per video) and expands it itself.
     vllm_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     columns = {k: v for k, v in row.items()
@@ -590,7 +691,7 @@ def prepare(row, processor, args, tools=None, norm_bbox="none"):
     # (toolbox.crop) needs to go back to the original images and downscale what it returns by the same path
     return dict(images=pil, image_ids=[content_id(im) for im in pil], videos=clips, vllm_ids=vllm_ids, hf=hf,
                 columns=columns, where=where, id=row.get("_id"), empty_image=empty,
-                sources=[source(im) for im in images],
+                sources=[source_of(im, base) for im in images],
                 pixel_bounds=(args.min_pixels, args.max_pixels, image_grid(processor)), tools=names,
                 norm_bbox=norm_bbox)
 
@@ -600,58 +701,70 @@ KNOWN_FIELDS = {"image", "images", "video", "videos", "question", "solution", "i
 
 
 def missing_file(row, images, videos):
-    """-> (reason, path) of a row's first image or video file that is not there, else None."""
-    base = row.get("_image_root") or os.path.dirname(row["_where"].rsplit(":", 1)[0])
-    paths = [("image", im if isinstance(im, str) else im.get("path")) for im in images
-             if isinstance(im, str) or (isinstance(im, dict) and not im.get("bytes"))]
+    """Raises Unusable for a row's first image or video file that is not there. -> the sources of its images."""
+    base = image_root_of(row)
+    sources = [source_of(im, base) for im in images]
+    paths = [("image", src) for src in sources if isinstance(src, str)]
     for v in videos:
-        frames = v if isinstance(v, list) else [v]
-        paths += [("video", f if isinstance(f, str) else f.get("path")) for f in frames
-                  if isinstance(f, str) or (isinstance(f, dict) and not f.get("bytes"))]
-    for kind, name in paths:
-        if not os.path.isfile(image_path(base, name)):
-            return f"its {kind} file is not there (or is not a file)", image_path(base, name)
-    return None
+        frames = [source_of(f, base, "video frame") for f in v] if isinstance(v, list) else \
+            [source_of(v, base, "video")]
+        paths += [("video", f) for f in frames if isinstance(f, str)]
+    for kind, path in paths:
+        if not os.path.isfile(path):
+            raise Unusable(row["_where"], f"its {kind} file is not there (or is not a file)", path)
+    return sources
 
 
-def check_source(path, args, flag="--train_data"):
-    """Rank 0, before anything heavy: check every row of a source without decoding an image or a video (check_row, the
-    files, the template's fields, a row's tools, the limits the launch set). -> the verdict every rank acts on: "lines"
-    to print, "error" or None, the most "images" and "videos" a usable row holds, "rows", "usable"."""
-    t0 = time.perf_counter()
+def check_source(path, args, flag="--train_data", processor=None, tools=None, norm_bbox="none"):
+    """Rank 0: every line of a source by prepare's checks, nothing decoded (an image's header read), and with the
+    `processor` an image row's prompt length; `tools` {name: JSON schema}, `norm_bbox` as prepare takes them. -> the
+    verdict every rank acts on: "lines" to print, "error" or None, the most "images" and "videos" a usable row holds,
+    "rows", "usable"."""
+    t0, dropped, tools = time.perf_counter(), [], tools or {}
     try:
-        rows = Rows(path, args.columns, args.image_root)
+        rows = Rows(path, args.columns, args.image_root, dropped)
     except SystemExit as e:   # no readable line at all
         return dict(lines=[], error=str(e.code), images=0, videos=0, rows=0, usable=0)
     template = {name for _, name, _, _ in string.Formatter().parse(args.question_template) if name}
     reads = {p for n in args.reward_funcs for p in inspect.signature(reward.REWARDS[n]).parameters}
     known, given = KNOWN_FIELDS | template | reads, set(getattr(args, "explicit", ()))
-    skipped, peers, unknown, most, usable, n = {}, collections.Counter(), collections.Counter(), [0, 0], 0, 0
+    limits = [k for k in ("limit_images", "limit_videos") if k in given]   # else the data sets them (data_limits)
+    lo, hi = pixel_bounds(args, processor) if processor is not None else (None, None)
+    grid, headers = processor and image_grid(processor), {}   # headers: an image's sizes by path, read once
+
+    def sizes_of(src, where):
+        try:
+            if not isinstance(src, str):
+                return image_size(src, "of the row's bytes", hi)
+            if src not in headers:
+                headers[src] = image_size(src, max_pixels=hi)
+            return headers[src]
+        except ValueError as e:
+            raise Unusable(where, "its image cannot be read", str(e)) from None
+    skipped, peers, unknown, most, usable = {}, collections.Counter(), collections.Counter(), [0, 0], 0
+    for where, reason in dropped:
+        skipped.setdefault("a line that is no JSON object", []).append(f"{where} ({reason})"[:200])
+    n = len(dropped)
     for row, read in rows.every_row():
         n += 1
         peers.update(read)
         unknown.update(k for k in row if not k.startswith("_") and k not in known and k not in dict(read))
         where = row["_where"]
         try:
-            images, videos = check_row(row, args)
-            for kind, count, limit in (("images", len(images), "limit_images"),
-                                       ("video(s)", len(videos), "limit_videos")):
-                if limit in given and count > getattr(args, limit):
-                    raise ValueError(f"{where}: {count} {kind} > --{limit} {getattr(args, limit)}")
-            names = row.get("tools", list(args.tools))
-            if not isinstance(names, list) or set(names) - set(args.tools):
-                raise ValueError(f"{where}: tools {names!r}: a row's own tools are a list of --tools "
-                                 f"({' '.join(args.tools) or 'none given'})")
-            try:
-                args.question_template.format(**row)
-            except (KeyError, IndexError) as e:
-                raise ValueError(f"{where}: no field {e} that --question_template needs") from None
-            gone = missing_file(row, images, videos)
+            images, videos = check_row(row, args, limits)
+            sizes = [sizes_of(src, where) for src in missing_file(row, images, videos)]
+            check_box(row, args, sizes[0][0] if sizes else None, norm_bbox)
+            if processor is not None:
+                text, _ = prompt_text(row, processor, args, tools, len(images), len(videos))
+                seen = [smart_resize(h, w, factor=grid, min_pixels=lo, max_pixels=hi) for (_, (w, h)) in sizes]
+                extra = sum(h * w // grid ** 2 - 1 for h, w in seen)   # an image: one pad in the text, more tokens
+                # a byte-level BPE token holds a byte at least: a prompt of few bytes needs no tokenizing
+                if not videos and len(text.encode()) + extra > args.max_prompt_length:
+                    check_length(where, len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + extra,
+                                 args)
         except ValueError as e:
-            skipped.setdefault(str(e).removeprefix(f"{where}: "), []).append(where)
-            continue
-        if gone:
-            skipped.setdefault(gone[0], []).append(f"{where} ({gone[1]})")
+            reason = getattr(e, "reason", None) or str(e).removeprefix(f"{where}: ")
+            skipped.setdefault(reason, []).append(f"{where} ({e.detail})" if getattr(e, "detail", None) else where)
             continue
         usable += 1
         most = [max(most[0], len(images)), max(most[1], len(videos))]

@@ -46,7 +46,7 @@ def build_parser():
                    help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                         "Qwen3-VL-MoE or Qwen3.5-MoE checkpoint; default: the embedded tiny model (tiny.py)")
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
-    g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: the embedded task's")
+    g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: none, or the embedded task's with its data")
     g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"],
                    help="embedded default only: the synthetic task, a shape's colour, a red square's box, a colour "
                         "only a crop shows (--tools crop), or a video's motion")

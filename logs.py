@@ -106,21 +106,21 @@ COMPLETIONS = "completions.jsonl"   # in the run folder, beside metrics.jsonl; t
 def write_trajectories(run, groups, step):
     """Append the first completion of each of the first --log_completions groups to output_dir/completions.jsonl,
     one row each (prompt, completion or trajectory and calls, rewards, advantage), so that a person can look
-    without wandb. With --tools or videos the images the model saw go to completions/step_<n>/ as PNG, named in the
-    row."""
+    without wandb. The images the model saw (the prompt's, downscaled; each video's frames; the tools') go to
+    completions/step_<n>/ as PNG, named in the row."""
     args, decode = run.args, run.processor.tokenizer.decode
     folder = os.path.join(args.output_dir, "completions", f"step_{step}")
     with open(os.path.join(args.output_dir, COMPLETIONS), "a") as f:
         for i, g in enumerate(groups[:args.log_completions]):
             c, s = g.completions[0], g.sample
             seen = []
-            if args.tools or s.get("videos"):   # what a person cannot see in the data file itself
+            # as the model saw them: a box in the completion refers to the downscaled image, not the data's
+            pictures = [("prompt", im) for im in s["images"]] + [("video", frames_sheet(frames))
+                                                                  for frames, _ in s.get("videos") or []]
+            for j, (kind, im) in enumerate(pictures + [("tool", im) for im in c.images]):
                 os.makedirs(folder, exist_ok=True)
-                pictures = [("prompt", im) for im in s["images"]] + [("video", frames_sheet(frames))
-                                                                      for frames, _ in s.get("videos") or []]
-                for j, (kind, im) in enumerate(pictures + [("tool", im) for im in c.images]):
-                    seen.append(os.path.join("completions", f"step_{step}", f"{i}_{j}_{kind}.png"))
-                    im.save(os.path.join(args.output_dir, seen[-1]))
+                seen.append(os.path.join("completions", f"step_{step}", f"{i}_{j}_{kind}.png"))
+                im.save(os.path.join(args.output_dir, seen[-1]))
             f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"),
                                 "prompt": decode(s["vllm_ids"]), "completion": c.text,
                                 "finish_reason": c.finish_reason, "reward": c.total,

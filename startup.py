@@ -133,9 +133,7 @@ def distributed(args):
     """torch.distributed and DeepSpeed's communication up, this job's claim on the output folder, and what killed
     launches left behind cleared. -> (rank, world, ranks on this node, device)."""
     if args.model is None:   # before torch.distributed exists: transformers saves on rank 0 only once it does
-        args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
-                                                                     arch=args.tiny_arch)
-        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+        embedded_default(args)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task "
                   f"{args.train_data}")
@@ -168,16 +166,44 @@ def distributed(args):
     return rank, world, ranks.local_world(world), device
 
 
+def embedded_default(args):
+    """No --model: the embedded tiny model (built once), and where --train_data is not given its task's train and
+    validation files. A user's --train_data keeps its own --val_data, or none (check_data says so)."""
+    args.model, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
+                                                                 arch=args.tiny_arch)
+    if args.train_data is None:
+        args.train_data, args.val_data = train_default, args.val_data or val_default
+
+
+def check_sources(args):
+    """Rank 0 reads --train_data and --val_data as the launch will (data.check_source) with what that needs of the
+    model: its processor and box convention, read from its folder. -> (the verdicts, the lines to say first)."""
+    notes = [] if args.val_data else ["[data] no --val_data: this run validates on nothing (give --val_data to "
+                                      "validate)"]
+    try:
+        processor = AutoProcessor.from_pretrained(args.model, local_files_only=True)
+        norm_bbox = model.family(AutoConfig.from_pretrained(args.model, local_files_only=True))["norm_bbox"]
+        data.pixel_bounds(args, processor)   # out of bounds: the launch refuses it after this check
+    except (OSError, ValueError, SystemExit) as e:
+        processor, norm_bbox = None, None
+        notes.append(f"[data] prompt lengths not checked, nor a box's units: the processor of --model {args.model} "
+                     f"could not be read ({str(e).splitlines()[0][:160]})")
+    tools = toolbox.schemas(args.tools, norm_bbox or "none")
+    return [data.check_source(path, args, flag, processor, tools, norm_bbox)
+            for path, flag in ((args.train_data, "--train_data"), (args.val_data, "--val_data")) if path], notes
+
+
 def check_data(args, rank):
-    """Rank 0 checks every row of --train_data and --val_data (nothing decoded) and says what it found; every rank
-    then stops (no usable row) or takes the limits the data needs (data.data_limits)."""
+    """Rank 0 checks every row of --train_data and --val_data (nothing decoded: check_sources) and says what it found;
+    every rank then stops (no usable row) or takes the limits the data needs (data.data_limits)."""
     if args.train_data is None:   # settle_flags says it is required
         return
+    if args.val_only and not args.val_data:
+        sys.exit("error: --val_only validates on --val_data: give it")
     verdicts = [None]
     if rank == 0:
-        verdicts = [[data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
-                                                                          (args.val_data, "--val_data")) if path]]
-        print("\n".join(line for v in verdicts[0] for line in v["lines"]), flush=True)
+        verdicts[0], notes = check_sources(args)
+        print("\n".join(notes + [line for v in verdicts[0] for line in v["lines"]]), flush=True)
     dist.broadcast_object_list(verdicts, src=0)
     if errors := [v["error"] for v in verdicts[0] if v["error"]]:
         sys.exit("\n".join(errors))
@@ -188,16 +214,13 @@ def check_data(args, rank):
 
 
 def check_data_alone(args):
-    """--check_data in this process, with no model, vLLM or ranks -> 0 when every row is usable, else 1."""
+    """--check_data in this process, with no model weights, vLLM or ranks -> 0 when every row is usable, else 1."""
     if args.model is None:   # the embedded default's task (its model is built with it, once)
-        _, train_default, val_default = tiny.ensure_default(task=args.tiny_task, size=args.tiny_size,
-                                                            arch=args.tiny_arch)
-        args.train_data, args.val_data = args.train_data or train_default, args.val_data or val_default
+        embedded_default(args)
     if args.train_data is None:
         sys.exit("error: --check_data with --model reads --train_data: give it")
-    verdicts = [data.check_source(path, args, flag) for path, flag in ((args.train_data, "--train_data"),
-                                                                       (args.val_data, "--val_data")) if path]
-    print("\n".join(line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])))
+    verdicts, notes = check_sources(args)
+    print("\n".join(notes + [line for v in verdicts for line in v["lines"] + ([v["error"]] if v["error"] else [])]))
     said = data.data_limits(args, max(v["images"] for v in verdicts), max(v["videos"] for v in verdicts),
                             toolbox.image_limit(args, 0))
     if said:

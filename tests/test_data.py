@@ -536,7 +536,7 @@ def test_a_train_file_with_no_usable_row_stops_the_launch_before_vllm_starts(tmp
 @pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
 def test_check_source_reads_hf_sources_without_decoding_an_image(tmp_path, kind, monkeypatch):
     """A parquet file or a save_to_disk folder is read a thousand rows at a time as arrow: its images stay
-    {"bytes", "path"}, never decoded (PIL's open would be called), and --columns maps them as in training."""
+    {"bytes", "path"}, their headers read and their pixels never decoded, and --columns maps them as in training."""
     import io
 
     import datasets
@@ -547,7 +547,133 @@ def test_check_source_reads_hf_sources_without_decoding_an_image(tmp_path, kind,
     ds = ds.cast_column("picture", datasets.Image())
     path = str(tmp_path / ("d.parquet" if kind == "parquet" else "d"))
     ds.to_parquet(path) if kind == "parquet" else ds.save_to_disk(path)
-    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("an image was decoded"))
+    from PIL import ImageFile
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda *a, **k: pytest.fail("an image was decoded"))
     v = data.check_source(path, args_for("--columns", "image=picture"))
     assert (v["rows"], v["usable"], v["images"], v["error"]) == (3, 3, 1, None)
     assert '"answer" as "solution" (3 rows)' in "\n".join(v["lines"])
+
+
+def counted_skips(out):
+    """(rows, to be skipped) from check_source's first line in `out`."""
+    found = re.search(r"(\d+) rows read and checked in [\d.]+ s: (\d+) usable(?:, (\d+) to be skipped)?", out)
+    return int(found[1]), int(found[3] or 0)
+
+
+def test_check_data_counts_every_row_the_launch_skips(tmp_path, processor, capsys):
+    """A 20-line file with ten kinds of bad rows: `--check_data` says as many rows to be skipped as the launch skips
+    (the lines read_jsonl drops, and the rows data.prepare refuses), by the same per-row checks, and exits 1."""
+    import startup
+    Image.new("RGB", (112, 112), (255, 0, 0)).save(tmp_path / "big.png")
+    lines = [row("ok.png")] * 9 + [
+        row("gone.png"),                                    # a missing image
+        row("corrupt.png"),                                 # an unreadable one
+        row(["ok.png", "ok.png"]),                          # too many images for --limit_images 1
+        row("ok.png", question=""),                         # an empty prompt
+        {"image": "ok.png", "solution": "red"},             # no question
+        b"{not json\n", b"[1, 2]\n",                        # a line that is no JSON object
+        row("big.png"),                                     # 16 image tokens: over --max_prompt_length
+        row("../ok.png"),                                   # out of the image root
+        row("http://example.com/a.png"),                    # a URL
+        row("ok.png", question="colour " * 60)]             # a question over --max_prompt_length
+    path = write_task(tmp_path, lines)
+    flags = ["--train_data", str(path), "--limit_images", "1", "--limit_videos", "0", "--max_pixels", "12544",
+             "--max_prompt_length", "45"]
+    assert startup.check_data_alone(args_for("--check_data", *flags)) == 1
+    out = capsys.readouterr().out
+    # the launch: the lines read_jsonl drops, then the rows data.prepare refuses
+    args = args_for(*flags)
+    args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)
+    rows = data.Rows(str(path))
+    dropped = capsys.readouterr().out.count(": skipped, ")
+    refused = []
+    for i in range(len(rows)):
+        try:
+            data.prepare(rows[i], processor, args)
+        except ValueError as e:
+            refused.append(str(e))
+    assert counted_skips(out) == (20, dropped + len(refused)), out
+    assert (dropped, len(refused)) == (2, 9), refused
+
+
+def test_check_data_refuses_a_box_that_iou_cannot_score(tmp_path, processor, capsys):
+    """--reward_funcs iou: a solution is four numbers x1 < x2, y1 < y2 inside the image, in its pixels. "red", an
+    inverted box, a 0-1 box (named so, with the family's own convention) and a box past the image are refused by
+    line and reason, by the check (exit 1) and by the launch alike; the same boxes that fit exit 0."""
+    import startup
+    good = [row("ok.png", solution=[10, 10, 40, 40]), row("ok.png", solution='{"bbox_2d": [10, 12, 40, 44]}')]
+    bad = [row("ok.png"), row("ok.png", solution=[40, 10, 10, 40]), row("ok.png", solution=[0.1, 0.2, 0.5, 0.6]),
+           row("ok.png", solution="[10, 10, 90, 40]")]
+    path = write_task(tmp_path, good + bad)
+    flags = ["--train_data", str(path), "--val_data", str(path), "--reward_funcs", "iou"]
+    assert startup.check_data_alone(args_for("--check_data", *flags)) == 1
+    out = capsys.readouterr().out
+    assert counted_skips(out) == (6, 4), out
+    for line, reason in ((3, "not a box: iou reads four numbers"), (4, "x1 < x2 and y1 < y2"),
+                         (5, "a 0-1 normalised box; iou reads the solution in pixels of the original image"),
+                         (6, "a box outside its image")):
+        assert re.search(re.escape(reason) + f"[^\n]*{path}:{line} ", out), (reason, out)
+    assert "this model answers in pixels of the image it sees, norm_bbox none" in out and "image 56 x 56" in out
+    args = args_for(*flags)
+    args.min_pixels, args.max_pixels = data.pixel_bounds(args, processor)
+    refused = []
+    for r in data.read_jsonl(str(path)):
+        try:
+            data.prepare(r, processor, args)
+        except ValueError as e:
+            refused.append(str(e).split(": ")[0])
+    assert refused == [f"{path}:{k}" for k in (3, 4, 5, 6)]
+    startup.check_data_alone(args_for("--check_data", *flags, "--tiny_arch", "qwen3_vl"))
+    assert "this model answers from 0 to 1000 across the image, norm_bbox norm1000" in capsys.readouterr().out
+    fine = write_task(tmp_path, good)
+    assert startup.check_data_alone(args_for("--check_data", "--train_data", str(fine), "--val_data", str(fine),
+                                             "--reward_funcs", "iou")) == 0
+
+
+def test_a_users_train_data_without_val_data_validates_on_nothing_and_says_so(tmp_path, world1, capsys):
+    """A user's --train_data with no --val_data: no validation (TRL's and verl's default), said in one line that
+    names --val_data, never the embedded task's validation set; the embedded task's own data keeps its set."""
+    import startup
+    path = write_task(tmp_path, [row("ok.png")])
+    args = args_for("--check_data", "--train_data", str(path))
+    assert startup.check_data_alone(args) == 0
+    out = capsys.readouterr().out
+    assert args.val_data is None and "val.jsonl" not in out and len(re.findall(".*--val_data.*", out)) == 1, out
+    assert "no --val_data: this run validates on nothing" in out
+    args = args_for("--check_data")
+    startup.check_data_alone(args)
+    assert args.val_data.endswith("val.jsonl") and "--val_data" not in capsys.readouterr().out
+    args = args_for("--model", "M", "--train_data", str(path))
+    startup.check_data(args, 0)   # the launch's check says it too
+    assert "no --val_data: this run validates on nothing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_check_source_counts_a_prompts_tokens_as_prepare_does(tmp_path, arch):
+    """The check reads an image's header alone, yet counts the prompt as data.prepare builds it: sizes off the grid,
+    a large JPEG that decodes at a reduced size, an EXIF-rotated photo, two images, the tools' schemas."""
+    import copy
+
+    from transformers import AutoProcessor
+
+    from conftest import tiny_of
+    processor = AutoProcessor.from_pretrained(tiny_of(arch)[0])
+    Image.new("RGB", (300, 100), "red").save(tmp_path / "wide.png")
+    Image.new("RGB", (3000, 2000), "red").save(tmp_path / "big.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6   # stored 200 x 100, seen upright 100 x 200
+    Image.new("RGB", (200, 100), "red").save(tmp_path / "turned.jpg", exif=exif)
+    rows = [row("ok.png"), row("wide.png"), row("big.jpg"), row("turned.jpg"), row(["wide.png", "turned.jpg"])]
+    for flags in (["--max_pixels", "200704"], ["--max_pixels", "50176", "--tools", "crop"]):
+        args = args_for("--tiny_arch", arch, "--limit_images", "2", "--max_prompt_length", "100000", *flags)
+        tools = toolbox.schemas(args.tools)
+        prepared = copy.copy(args)
+        prepared.min_pixels, prepared.max_pixels = data.pixel_bounds(args, processor)
+        for k, r in enumerate(rows):
+            path = str(write_task(tmp_path, [r]))
+            want = data.prepare(data.read_jsonl(path)[0], processor, prepared, tools)["hf"]["input_ids"].shape[1]
+            for limit, usable in ((want, 1), (want - 1, 0)):
+                args.max_prompt_length = limit
+                v = data.check_source(path, args, "--train_data", processor, tools)
+                assert v["usable"] == usable, (k, flags, v["lines"])
+            assert f"({want} tokens)" in "\n".join(v["lines"])

@@ -126,3 +126,27 @@ def test_a_few_trajectories_and_the_images_the_model_saw_go_to_the_run_folder(tm
     logs.open_logs(run, resumed=True)   # resumed from step 5: step 10 is trained and written again
     assert {json.loads(line)["step"] for line in open(tmp_path / "completions.jsonl")} == {5}
     run.wandb.finish()
+
+
+def test_completions_keep_the_prompt_image_of_an_image_row_without_tools(tmp_path, tiny_default):
+    """A grounding run (no tools, no video): completions.jsonl names the downscaled image the model saw, the one its
+    boxes refer to, saved as PNG within the same --log_completions rows; a text-only row names none."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tiny_default[0])
+    args = train.parse_args(["--output_dir", str(tmp_path), "--log_completions_steps", "5", "--log_completions", "2"])
+    run = types.SimpleNamespace(args=args, master=True, processor=processor, start=0)
+    shown = Image.new("RGB", (56, 28), (0, 200, 0))
+    ids = processor.tokenizer("where is the square", add_special_tokens=False)["input_ids"]
+    groups = [train.Group(sample=dict(images=[shown] if k != 1 else [], vllm_ids=ids, where=f"t.jsonl:{k + 1}", id=k),
+                          completions=[train.Completion(index=0, token_ids=ids, sampler_logps=[0.0] * len(ids),
+                                                        text="[1, 2, 30, 20]", finish_reason="stop",
+                                                        rewards={"iou": 0.5}, total=0.5, advantage=0.1)])
+              for k in range(3)]
+    logs.log_completions(run, groups, step=5)
+    rows = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert [r["images"] for r in rows] == [["completions/step_5/0_0_prompt.png"], []]
+    saved = Image.open(tmp_path / rows[0]["images"][0])
+    assert saved.size == (56, 28) and saved.getpixel((0, 0)) == (0, 200, 0)

@@ -875,3 +875,31 @@ def test_a_run_whose_tool_never_returns_is_preempted_and_ends(tmp_path):
     assert all(r["tools/tool_error_frac"] > 0 for r in rows if r["tools/calls_mean"] > 0), rows
     assert all(abs(r["tools/failure_frac"] - r["tools/tool_error_frac"] - r["tools/bad_call_frac"]) < 1e-6
                for r in rows)
+
+
+def test_parse_call_is_linear_on_unclosed_tags():
+    """20,000 unclosed "<tool_call>" tags took 138 s (the regex tried every tag to the end): now well under a
+    second, with the regex's answer on every string of the tags and other text."""
+    import itertools
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="no <tool_call>"):
+        toolbox.parse_call("<tool_call>" * 20_000)
+    with pytest.raises(ValueError, match="not JSON"):
+        toolbox.parse_call("<tool_call>" * 20_000 + "</tool_call>")
+    assert time.perf_counter() - t0 < 2
+    pieces = ["<tool_call>", "</tool_call>", '{"name": "crop", "arguments": {}}', "x", "<tool_call"]
+    for k in range(1, 5):
+        for parts in itertools.product(pieces, repeat=k):
+            text = "".join(parts)
+            found = re.search(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+            try:
+                got = toolbox.parse_call(text)
+            except ValueError as e:
+                got = str(e)
+            if found is None:
+                assert got == "no <tool_call>...</tool_call> in the turn", text
+            elif found.group(1) == pieces[2]:
+                assert got == ("crop", {}), text
+            else:
+                assert got != ("crop", {}) and "no <tool_call>" not in got, text
