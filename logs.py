@@ -95,8 +95,8 @@ def log_completions(run, groups, step):
             trajectory = [run.processor.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                           wandb.Image(c.images[0]) if c.images else None] if args.tools else []
             table.add_data(wandb.Image(g.sample["images"][0]) if g.sample["images"] else None,
-                           run.processor.tokenizer.decode(g.sample["vllm_ids"]), c.text, c.total,
-                           *[c.rewards[n] for n in args.reward_funcs], *trajectory)
+                           run.processor.tokenizer.decode(g.sample["vllm_ids"]), c.text, scores(c)["reward"],
+                           *[scores(c)["rewards"][n] for n in args.reward_funcs], *trajectory)
     wandb_call(run, run.wandb.log, {"completions": table}, step=step)
 
 
@@ -123,13 +123,20 @@ def write_trajectories(run, groups, step):
                 im.save(os.path.join(args.output_dir, seen[-1]))
             f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"),
                                 "prompt": decode(s["vllm_ids"]), "completion": c.text,
-                                "finish_reason": c.finish_reason, "reward": c.total,
-                                "rewards": c.rewards, "advantage": c.advantage,
+                                "finish_reason": c.finish_reason, **scores(c), "advantage": c.advantage,
                                 **({"trajectory": decode(c.token_ids, skip_special_tokens=True),
                                     "calls": [{"call": call, "error": error, "kind": kind}
                                               for call, error, kind in c.calls]}
                                    if args.tools else {}),
                                 "images": seen}, default=float) + "\n")
+
+
+def scores(c):
+    """A completion's reward and rewards for a person to read: null where a reward failed, and which failed."""
+    failed = [n for n, f in c.failed.items() if f]
+    return {"reward": None if failed else c.total, "rewards": {n: None if c.failed.get(n) else v
+                                                                for n, v in c.rewards.items()},
+            **({"unscored": f"{', '.join(failed)} failed"} if failed else {})}
 
 
 def frames_sheet(frames):

@@ -150,3 +150,27 @@ def test_completions_keep_the_prompt_image_of_an_image_row_without_tools(tmp_pat
     assert [r["images"] for r in rows] == [["completions/step_5/0_0_prompt.png"], []]
     saved = Image.open(tmp_path / rows[0]["images"][0])
     assert saved.size == (56, 28) and saved.getpixel((0, 0)) == (0, 200, 0)
+
+
+def test_an_unscored_completion_reads_null_and_the_reward_that_failed(tmp_path, tiny_default):
+    """completions.jsonl: a completion a reward could not score (a judge that timed out) has reward null, that
+    reward null and the reason; never the placeholder 0.0 the loss leaves out."""
+    import json
+
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tiny_default[0])
+    args = train.parse_args(["--output_dir", str(tmp_path), "--log_completions_steps", "1", "--log_completions", "2"])
+    run = types.SimpleNamespace(args=args, master=True, processor=processor, start=0)
+    ids = processor.tokenizer("what colour", add_special_tokens=False)["input_ids"]
+    groups = [train.Group(sample=dict(images=[], vllm_ids=ids, where=f"t.jsonl:{k + 1}", id=k),
+                          completions=[train.Completion(index=0, token_ids=ids, sampler_logps=[0.0] * len(ids),
+                                                        text="red", finish_reason="stop", total=0.5 * (1 - k),
+                                                        rewards={"accuracy": 1.0, "judge": 0.0},
+                                                        failed={"accuracy": False, "judge": k == 1})])
+              for k in range(2)]
+    logs.log_completions(run, groups, step=1)
+    scored, unscored = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert scored["reward"] == 0.5 and scored["rewards"] == {"accuracy": 1.0, "judge": 0.0}
+    assert "unscored" not in scored
+    assert unscored["reward"] is None and unscored["rewards"] == {"accuracy": 1.0, "judge": None}
+    assert unscored["unscored"] == "judge failed"
