@@ -38,20 +38,49 @@ VIDEO_TOKENS = 2048   # --video_total_pixels by default: a video's merged tokens
 
 # ----------------------------------------------------------------------------- images
 def downscale(img, min_pixels, max_pixels, factor):
-    """-> img resized to the nearest (h, w) on the `factor`-pixel grid with min_pixels <= h*w <= max_pixels, as the
-    model's processor would."""
-    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    """-> img resized to grid_size: a size that the trainer's processor and vLLM's both keep as it is."""
+    size = grid_size(img.height, img.width, min_pixels, max_pixels, factor)
+    if size is None:
+        raise ValueError(f"--min_pixels {min_pixels} --max_pixels {max_pixels} hold no image size on the model's "
+                         f"{factor}-pixel grid")
+    h, w = size
     return img if (w, h) == img.size else img.resize((w, h), Image.BICUBIC)
 
 
+def grid_size(height, width, min_pixels, max_pixels, factor):
+    """-> (h, w): multiples of `factor` with min_pixels <= h*w <= max_pixels and at most 200:1, nearest the image's
+    aspect; smart_resize's choice where it keeps these bounds. None if no size does. Outside them (bounds close
+    together, a thin image) each processor would resize again by its own bounds, and vLLM and training differ."""
+    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    if min_pixels <= h * w <= max_pixels and max(h, w) <= 200 * min(h, w):
+        return h, w
+    lo, hi = -(-min_pixels // factor ** 2), max_pixels // factor ** 2   # cells of factor x factor px
+    area = min(max(height * width, min_pixels), max_pixels) / factor ** 2
+    th, tw = math.sqrt(area * height / width), math.sqrt(area * width / height)   # the ideal, in cells
+    best = None
+    for a in range(1, hi + 1):   # a x b cells: for each height a, the widths b nearest tw that keep the bounds
+        b_lo, b_hi = max(-(-lo // a), -(-a // 200), 1), min(hi // a, 200 * a)
+        for b in {min(max(math.floor(tw), b_lo), b_hi), min(max(math.ceil(tw), b_lo), b_hi)} if b_lo <= b_hi else ():
+            cost = abs(math.log(a / th)) + abs(math.log(b / tw))
+            best = min(best or (cost, a, b), (cost, a, b))
+    return None if best is None else (best[1] * factor, best[2] * factor)
+
+
 def pixel_bounds(args, processor):
-    """-> (min_pixels, max_pixels) of this run: the flags, or the defaults. Exits outside the processor's bounds."""
+    """-> (min_pixels, max_pixels) of this run: the flags, or the defaults. Exits outside the processor's bounds,
+    or where no image size on the model's grid lies between them."""
     size, grid = processor.image_processor.size, image_grid(processor)
     lo = size["shortest_edge"] if args.min_pixels is None else args.min_pixels
     hi = min(IMAGE_TOKENS * grid ** 2, size["longest_edge"]) if args.max_pixels is None else args.max_pixels
     if hi > size["longest_edge"] or lo < size["shortest_edge"] or lo > hi:
         sys.exit(f"error: --min_pixels/--max_pixels {lo}/{hi} lie outside the processor's {size['shortest_edge']}/"
                  f"{size['longest_edge']} (or min > max): it would resize again")
+    if grid_size(grid, grid, lo, hi, grid) is None:
+        below, above = lo // grid ** 2 * grid ** 2, -(-hi // grid ** 2) * grid ** 2
+        sys.exit(f"error: --min_pixels {lo} --max_pixels {hi} hold no image size on the model's {grid}-pixel grid "
+                 f"(h and w multiples of {grid}): each processor would resize such an image by its own bounds, and "
+                 f"vLLM and training would see different pixels; use "
+                 + (f"--min_pixels {below} or " if below else "") + f"--max_pixels {above}")
     return lo, hi
 
 
