@@ -46,7 +46,8 @@ def build_parser():
                    help="HF model dir or hub id (downloaded beforehand) of a Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                         "Qwen3-VL-MoE or Qwen3.5-MoE checkpoint; default: the embedded tiny model (tiny.py)")
     g.add_argument("--train_data", default=None, help="train JSONL; default: the embedded colour task")
-    g.add_argument("--val_data", default=None, help="validation JSONL (greedy decoding); default: none, or the embedded task's with its data")
+    g.add_argument("--val_data", default=None,
+                   help="validation JSONL (greedy decoding); default: none, or the embedded task's with its data")
     g.add_argument("--tiny_task", default="colour", choices=["colour", "grounding", "zoom", "motion"],
                    help="embedded default only: the synthetic task, a shape's colour, a red square's box, a colour "
                         "only a crop shows (--tools crop), or a video's motion")
@@ -595,8 +596,10 @@ def check_args(args, world, local=None, cuda=None):
     need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
     need("judge" not in args.reward_funcs or (args.judge_url and args.judge_model),
          "--reward_funcs judge needs --judge_url (an OpenAI-compatible endpoint, .../v1) and --judge_model")
-    need(not args.judge_url or not (why := judge.url_problem(args.judge_url)), why)
-    need(not (why := judge.template_problem(args.judge_template)), why)
+    url_problem = args.judge_url and judge.url_problem(args.judge_url)
+    need(not url_problem, url_problem)
+    template_problem = judge.template_problem(args.judge_template)
+    need(not template_problem, template_problem)
     need(args.judge_concurrency >= 1 and args.judge_retries >= 0 and args.judge_timeout_s > 0 and
          args.judge_max_failed_steps >= 1, f"--judge_concurrency {args.judge_concurrency} >= 1, --judge_retries "
          f"{args.judge_retries} >= 0, --judge_timeout_s {args.judge_timeout_s} > 0, --judge_max_failed_steps "
