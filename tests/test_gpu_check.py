@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import types
 
@@ -320,3 +321,71 @@ def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     assert on["shared_prefix"]["tokens"] < on["standard"]["tokens"]
     skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", peak=cpu_peak, fits=lambda need: False)
     assert "the plan needs" in skipped["standard, gradient checkpointing off"]["skipped"]
+
+
+# ----------------------------------------------------------------------------- refusals before a load or a hang
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "fmt": "e4m3"}, {"quant_method": "awq", "bits": 4},
+                                   {"quant_method": "gptq", "bits": 4}, {"load_in_4bit": True}])
+def test_a_quantized_checkpoint_is_refused_by_name_at_start_up(tmp_path, tiny_default, monkeypatch, quant):
+    """The tiny default's folder with a quantization_config in its config.json: startup.distributed, which every rank
+    runs, refuses it naming the method and the way out, before torch.distributed starts (anything loads after that);
+    gpu_check's Box refuses it too. The real tiny model passes. Fails before: nothing reads quantization_config."""
+    import shutil
+
+    import startup
+    folder = tmp_path / "quantized"
+    shutil.copytree(tiny_default[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    method = quant.get("quant_method", "bitsandbytes")
+
+    def too_late(*a, **k):
+        raise AssertionError("torch.distributed started before the checkpoint was checked")
+    monkeypatch.setattr(startup.dist, "init_process_group", too_late)
+    args = train.parse_args(["--model", str(folder), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=rf"--model {folder} is a quantized checkpoint: its config.json has a "
+                                         rf"quantization_config \(quant_method '{method}'.*bf16 or fp16 checkpoint"):
+        startup.distributed(args)
+    with pytest.raises(SystemExit, match=rf"quantization_config \(quant_method '{method}'"):
+        gpu_check.Box(str(folder), str(tmp_path))
+    assert model.refuse_quantized(tiny_default[0]) is None
+
+
+def _refusing_rank(rank, port, out_dir):
+    """One of two gloo ranks: rank 1's recorded routing is a token short. Each rank lays out its micro-batch's routing
+    (model.routing_replay_inputs), then meets the other in a barrier, as the forward's gathers would."""
+    import datetime
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import data
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    rec = [np.arange(4 * 2).reshape(4, 1, 2), 10 + np.arange(3 * 2).reshape(3, 1, 2)]          # (P + n - 1, L=1, k=2)
+    samples = [{"hf": {"input_ids": torch.tensor([[1, 2, 3]]),
+                       "mm_token_type_ids": torch.zeros(1, 3, dtype=torch.long)}}]
+    std = data.collate(samples * 2, [[7, 8], [9]], 0, [])
+    t0, said = time.time(), None
+    try:
+        model.routing_replay_inputs(std, [rec[0], rec[1][:2]] if rank == 1 else rec)
+    except ValueError as e:
+        said = str(e)
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": said, "seconds": time.time() - t0}, f)
+    dist.destroy_process_group()
+
+
+def test_a_routing_record_refused_on_one_rank_stops_both_within_seconds(tmp_path):
+    """Two gloo ranks, rank 1 alone with a bad routing record: both raise, naming the record and the rank that refused,
+    in seconds, not rank 1 alone while rank 0 goes on into the next collective until its timeout. Fails before: rank 0
+    returned its layout."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    mp.spawn(_refusing_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        r = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert r["error"] and "completion 1's recorded routing covers 2 tokens" in r["error"], (rank, r)
+        assert "refused on rank 1 of 2; every rank stops" in r["error"] and r["seconds"] < 10, (rank, r)

@@ -90,6 +90,7 @@ class Box:
         self.out = out
         default, train_jsonl, _ = tiny.ensure_default()
         self.model = model or default
+        policy_model.refuse_quantized(policy_model.on_disk(self.model))   # before anything loads it
         self.processor = AutoProcessor.from_pretrained(self.model)
         self.args = train.parse_args(["--model", self.model, "--max_prompt_length", "256", "--max_completion_length",
                                       "8", "--question_template", "{question}", "--rollout_batch_size", "2",
