@@ -389,3 +389,15 @@ def test_a_routing_record_refused_on_one_rank_stops_both_within_seconds(tmp_path
         r = json.load(open(tmp_path / f"rank{rank}.json"))
         assert r["error"] and "completion 1's recorded routing covers 2 tokens" in r["error"], (rank, r)
         assert "refused on rank 1 of 2; every rank stops" in r["error"] and r["seconds"] < 10, (rank, r)
+
+
+def test_the_routing_replay_item_asks_for_a_cut_not_just_no_worse():
+    """gpu_check.replay_verdict, the routing_replay item's verdict on the first step's rollout/logp_diff_max: a replay
+    equal to none (or a little worse, within the old 0.02) fails, one that halves the gap passes (REPLAY_CUT 2), a run
+    without a gap to cut fails. Fails before: no verdict asked for a cut."""
+    assert gpu_check.REPLAY_CUT == 2.0
+    assert "REPLAY_CUT asks 2x" in gpu_check.replay_verdict(0.4, 0.4)
+    assert gpu_check.replay_verdict(0.4, 0.41) is not None
+    assert gpu_check.replay_verdict(0.4, 0.3) is not None
+    assert gpu_check.replay_verdict(0.4, 0.2) is None and gpu_check.replay_verdict(0.4, 0.0) is None
+    assert "no gap to cut" in gpu_check.replay_verdict(0.0, 0.0)
