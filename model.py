@@ -492,12 +492,14 @@ def vision_dummy(visual):
     return out.pooler_output.sum() + sum(f.sum() for f in getattr(out, "deepstack_features", None) or [])
 
 
-def load_model(path, args, dtype):
-    """The model in folder `path`, of any family, with logps_forward as its forward. Under ZeRO-3 the live
-    HfDeepSpeedConfig makes from_pretrained load it partitioned."""
+def load_model(path, args, dtype, config=None):
+    """The model in folder `path`, of any family, with logps_forward as its forward; with `path` None, `config`'s
+    shape with random weights. Under ZeRO-3 the live HfDeepSpeedConfig makes from_pretrained load it partitioned."""
     from transformers import AutoConfig, AutoModelForImageTextToText
-    attn = attention(args, AutoConfig.from_pretrained(path), flash_attn_installed() and dtype == torch.bfloat16)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    attn = attention(args, config if path is None else AutoConfig.from_pretrained(path),
+                     flash_attn_installed() and dtype == torch.bfloat16)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn) if path else \
+        AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn)
     if model.model.visual.config._attn_implementation == "sdpa":   # one call per layer, not one per window
         install_vision_attention(model.model.visual)
     if block := family(model.config)["sparse_block"]:

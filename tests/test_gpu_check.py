@@ -401,3 +401,39 @@ def test_the_routing_replay_item_asks_for_a_cut_not_just_no_worse():
     assert gpu_check.replay_verdict(0.4, 0.3) is not None
     assert gpu_check.replay_verdict(0.4, 0.2) is None and gpu_check.replay_verdict(0.4, 0.0) is None
     assert "no gap to cut" in gpu_check.replay_verdict(0.0, 0.0)
+
+
+def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_items(world1, monkeypatch):
+    """realsize_update builds its model through model.load_model (called with its real signature), as train.py does:
+    the vision tower's attention modules run model.vision_attention (one call per layer), not transformers' loop over
+    windows, and each case reports the attention that ran. The realsize item runs after the vLLM items (whose import
+    turns cuDNN attention off, as in train.py). Fails before: the model came from from_config with transformers' own
+    attention, and realsize ran before the vLLM items."""
+    import inspect
+
+    import planner
+    built, real = [], model.load_model
+
+    def load_model(*a, **k):
+        inspect.signature(real).bind(*a, **k)
+        built.append(real(*a, **k))
+        return built[-1]
+    monkeypatch.setattr(model, "load_model", load_model)
+    config = planner.builtin_config("qwen2.5-vl-3b")
+    t, v = config.text_config, config.vision_config
+    t.num_hidden_layers, t.layer_types, t.vocab_size = 1, t.layer_types[:1], 32000
+    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
+    v.depth, v.fullatt_block_indexes = 2, [1]
+    groups = gpu_check.realsize_groups(config, 1, 2, (60, 70), (20, 30), (5, 10))
+    out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", peak=cpu_peak)
+    assert len(built) == 1
+    attn = [m for m in built[0].model.visual.modules() if type(m).__name__.endswith("VisionAttention")]
+    assert len(attn) == 2 and all(m.forward.__func__ is model.vision_attention for m in attn)
+    said = out["standard, gradient checkpointing on"]["attention"]
+    assert said["text"] == said["vision"] == "sdpa" and said["vision_one_call"] is True, said
+    assert set(said["sdpa_backends"]) == {"cudnn", "flash", "mem_efficient", "math"}
+    order = gpu_check.run_order()
+    assert order[-1] == "realsize" and sorted(order) == sorted(gpu_check.ITEMS)
+    assert order.index("routing_replay") < order.index("realsize") > order.index("vllm_sleep_levels")
+    assert gpu_check.run_order(["realsize", "fused_adam"]) == ["fused_adam", "realsize"]
