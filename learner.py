@@ -83,7 +83,8 @@ def policy_forward(run, b, it, m):
     """The policy's forward over micro-batch b -> (grpo.TokenStats, the loss's mask), each (B, C); at iteration 0
     also pi_old and the sampler gap."""
     comps = b["completions"]
-    b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps]))   # replay
+    b["inputs"].update(model.routing_replay_inputs(b["inputs"], [c.routed_experts for c in comps],
+                                                   run.engine.module))   # replay; a bad record stops every rank
     ts = completion_logps(run.engine, b, run, with_entropy=True, with_kept=it == 0)   # (B, C) each
     mask = in_loss(b).to(run.device)                                                  # (B, C)
     if it == 0:   # the sampler's weights (no optimizer step yet)

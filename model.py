@@ -18,6 +18,7 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from torch.nn.attention.varlen import varlen_attn
 
 import grpo
+import ranks
 
 # What differs between the model families, keyed by the config's model_type; everything else (image grid, special
 # tokens, chat template, experts, top-k) is read from the checkpoint's own config and processor. Another family is a
@@ -59,6 +60,27 @@ def on_disk(name):
                      f"({constants.HF_HUB_CACHE}). Download it first, where there is a network: `hf download {name}` "
                      f"(or `huggingface-cli download {name}`), then launch with the same --model, or give the folder "
                      f"it was downloaded to (`hf download {name} --local-dir DIR`, then --model DIR)")
+
+
+def refuse_quantized(folder, flag="--model"):
+    """SystemExit naming the method when the checkpoint in `folder` is quantized (a quantization_config in its
+    config.json or a sub-config's: FP8, AWQ, GPTQ, bitsandbytes, ...); the update and the weight sync into vLLM
+    handle bf16, fp16 and fp32 weights only."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    parts = [config] + [v for v in config.values() if isinstance(v, dict)]   # text_config, vision_config
+    q = next((c["quantization_config"] for c in parts if c.get("quantization_config")), None)
+    if q is None:
+        return
+    method = q.get("quant_method") or ("bitsandbytes" if q.get("load_in_4bit") or q.get("load_in_8bit") else "unnamed")
+    detail = ", ".join(f"{k} {q[k]}" for k in ("bits", "fmt", "format") if k in q)
+    raise SystemExit(f"error: {flag} {folder} is a quantized checkpoint: its config.json has a quantization_config "
+                     f"(quant_method {method!r}{', ' + detail if detail else ''}). This code neither trains nor syncs "
+                     f"quantized weights; give the bf16 or fp16 checkpoint of the same model (the one the quantized "
+                     f"one was made from)")
 
 
 def family(config):
@@ -206,13 +228,28 @@ def router_stats(router_logits, tokens, text_config, chosen=None):
 # the choice is replayed: the weights are the live router's softmax at those experts, so the router keeps its gradient.
 
 
-def routing_replay_inputs(inputs, routed):
+def routing_replay_inputs(inputs, routed, hf_model=None):
     """--routing_replay: vLLM's recorded experts laid out on a micro-batch's tokens. `routed`: per completion a
     (P + n - 1, L, k) array, its prompt and its tokens but the last. -> {"routed_experts": (R, T, L, k) int16}, -1
-    where nothing was recorded or a shared prompt's completions disagree; {} when replay is off."""
-    import numpy as np
+    where nothing was recorded or a shared prompt's completions disagree; {} when replay is off. A record that does
+    not fit, or is no top-k of `hf_model`'s routers, is refused on every rank alike (ranks.refuse_together)."""
     if not routed or routed[0] is None:
         return {}
+    why, out = None, None
+    try:
+        out = routing_layout(inputs, routed)
+        if hf_model is not None:
+            check_routing(out, [layer for layer, _ in sparse_routers(hf_model)],
+                          hf_model.config.get_text_config().num_experts)
+    except ValueError as e:
+        why = str(e)
+    ranks.refuse_together(why, ValueError)
+    return {"routed_experts": out}
+
+
+def routing_layout(inputs, routed):
+    """routing_replay_inputs' layout, on this rank alone: -> (R, T, L, k) int16, or ValueError naming the record."""
+    import numpy as np
     ids = inputs["input_ids"]
     R, T = ids.shape
     rec = [torch.from_numpy(np.asarray(r, dtype=np.int16)) for r in routed]                     # (P + n - 1, L, k) each
@@ -228,7 +265,7 @@ def routing_replay_inputs(inputs, routed):
             n = int(inputs["attention_mask"][i].sum())                                          # P + its tokens
             check(i, len(r), n - 1)
             out[i, T - n:T - 1] = r
-        return {"routed_experts": out}
+        return out
     prompt, offset, part, index = (inputs[k] for k in ("prompt_mask", "offset", "part", "index"))
     rows = (index[:, -1] // T).tolist()                                                         # each completion's row
     for r in sorted(set(rows)):
@@ -242,7 +279,7 @@ def routing_replay_inputs(inputs, routed):
         prompts = torch.stack([rec[i][:P] for i in mine])                                       # (m, P, L, k)
         agree = (prompts == prompts[0]).all(0).all(-1, keepdim=True)                            # (P, L, 1)
         out[r, prompt[r]] = torch.where(agree, prompts[0], torch.tensor(-1, dtype=torch.int16))
-    return {"routed_experts": out}
+    return out
 
 
 def sparse_routers(hf_model):
@@ -455,12 +492,14 @@ def vision_dummy(visual):
     return out.pooler_output.sum() + sum(f.sum() for f in getattr(out, "deepstack_features", None) or [])
 
 
-def load_model(path, args, dtype):
-    """The model in folder `path`, of any family, with logps_forward as its forward. Under ZeRO-3 the live
-    HfDeepSpeedConfig makes from_pretrained load it partitioned."""
+def load_model(path, args, dtype, config=None):
+    """The model in folder `path`, of any family, with logps_forward as its forward; with `path` None, `config`'s
+    shape with random weights. Under ZeRO-3 the live HfDeepSpeedConfig makes from_pretrained load it partitioned."""
     from transformers import AutoConfig, AutoModelForImageTextToText
-    attn = attention(args, AutoConfig.from_pretrained(path), flash_attn_installed() and dtype == torch.bfloat16)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    attn = attention(args, config if path is None else AutoConfig.from_pretrained(path),
+                     flash_attn_installed() and dtype == torch.bfloat16)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn) if path else \
+        AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn)
     if model.model.visual.config._attn_implementation == "sdpa":   # one call per layer, not one per window
         install_vision_attention(model.model.visual)
     if block := family(model.config)["sparse_block"]:

@@ -87,6 +87,24 @@ def check_same(name, values, device, group=None):
                            f"rank {dist.get_rank()} has {values}, the ranks range from {lo.tolist()} to {hi.tolist()}")
 
 
+def refuse_together(why, error=RuntimeError, group=None):
+    """Raise `error` on every rank of `group` (default all) when any rank has a reason `why` (a string; None: it has
+    none), naming the ranks that refused; a rank that raised alone would leave the others in the next collective until
+    its timeout. Without torch.distributed: raise when `why` is set."""
+    if not dist.is_initialized():
+        if why:
+            raise error(why)
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    refused = torch.tensor([int(why is not None)], device=device)
+    dist.all_reduce(refused, group=group)
+    if refused.item():   # every rank is here: the reasons, gathered
+        said = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, why, group=group)
+        who = [r for r, w in enumerate(said) if w is not None]
+        raise error(f"{said[who[0]]} (refused on rank {', '.join(map(str, who))} of {len(said)}; every rank stops)")
+
+
 def digest(obj):
     """A stable 63-bit fingerprint of a picklable-by-repr structure."""
     return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 1

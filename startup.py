@@ -137,7 +137,8 @@ def distributed(args):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"[setup] embedded default: tiny {args.tiny_arch} at {args.model}, {args.tiny_task} task "
                   f"{args.train_data}")
-    model.on_disk(args.model)   # in seconds, before anything waits on the hub
+    # in seconds, before anything waits on the hub; a quantized checkpoint refused by name, on every rank alike
+    model.refuse_quantized(model.on_disk(args.model))
     if torch.cuda.is_available():   # before any CUDA allocation: one GPU per rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # torch.distributed first, DeepSpeed's communication (which JIT-loads an op under a lock) next:

@@ -259,8 +259,9 @@ def rollout_groups(run, samples, step, round=0):
             for k, c in enumerate(out.outputs)]))
     if not all(np.isfinite(c.sampler_logps).all() for g in groups for c in g.completions):
         raise RuntimeError("vLLM returned non-finite logprobs after the weight sync: the synced weights are broken")
-    if args.routing_replay and any(c.routed_experts is None for g in groups for c in g.completions):
-        raise RuntimeError("--routing_replay: vLLM returned a completion without its routed_experts")
+    if args.routing_replay:   # every rank alike: one alone would leave the others in the next collective
+        ranks.refuse_together("--routing_replay: vLLM returned a completion without its routed_experts" if any(
+            c.routed_experts is None for g in groups for c in g.completions) else None)
     return groups
 
 

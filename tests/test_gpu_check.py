@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import types
 
@@ -320,3 +321,119 @@ def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     assert on["shared_prefix"]["tokens"] < on["standard"]["tokens"]
     skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", peak=cpu_peak, fits=lambda need: False)
     assert "the plan needs" in skipped["standard, gradient checkpointing off"]["skipped"]
+
+
+# ----------------------------------------------------------------------------- refusals before a load or a hang
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "fmt": "e4m3"}, {"quant_method": "awq", "bits": 4},
+                                   {"quant_method": "gptq", "bits": 4}, {"load_in_4bit": True}])
+def test_a_quantized_checkpoint_is_refused_by_name_at_start_up(tmp_path, tiny_default, monkeypatch, quant):
+    """The tiny default's folder with a quantization_config in its config.json: startup.distributed, which every rank
+    runs, refuses it naming the method and the way out, before torch.distributed starts (anything loads after that);
+    gpu_check's Box refuses it too. The real tiny model passes. Fails before: nothing reads quantization_config."""
+    import shutil
+
+    import startup
+    folder = tmp_path / "quantized"
+    shutil.copytree(tiny_default[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    method = quant.get("quant_method", "bitsandbytes")
+
+    def too_late(*a, **k):
+        raise AssertionError("torch.distributed started before the checkpoint was checked")
+    monkeypatch.setattr(startup.dist, "init_process_group", too_late)
+    args = train.parse_args(["--model", str(folder), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=rf"--model {folder} is a quantized checkpoint: its config.json has a "
+                                         rf"quantization_config \(quant_method '{method}'.*bf16 or fp16 checkpoint"):
+        startup.distributed(args)
+    with pytest.raises(SystemExit, match=rf"quantization_config \(quant_method '{method}'"):
+        gpu_check.Box(str(folder), str(tmp_path))
+    assert model.refuse_quantized(tiny_default[0]) is None
+
+
+def _refusing_rank(rank, port, out_dir):
+    """One of two gloo ranks: rank 1's recorded routing is a token short. Each rank lays out its micro-batch's routing
+    (model.routing_replay_inputs), then meets the other in a barrier, as the forward's gathers would."""
+    import datetime
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import data
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    rec = [np.arange(4 * 2).reshape(4, 1, 2), 10 + np.arange(3 * 2).reshape(3, 1, 2)]          # (P + n - 1, L=1, k=2)
+    samples = [{"hf": {"input_ids": torch.tensor([[1, 2, 3]]),
+                       "mm_token_type_ids": torch.zeros(1, 3, dtype=torch.long)}}]
+    std = data.collate(samples * 2, [[7, 8], [9]], 0, [])
+    t0, said = time.time(), None
+    try:
+        model.routing_replay_inputs(std, [rec[0], rec[1][:2]] if rank == 1 else rec)
+    except ValueError as e:
+        said = str(e)
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": said, "seconds": time.time() - t0}, f)
+    dist.destroy_process_group()
+
+
+def test_a_routing_record_refused_on_one_rank_stops_both_within_seconds(tmp_path):
+    """Two gloo ranks, rank 1 alone with a bad routing record: both raise, naming the record and the rank that refused,
+    in seconds, not rank 1 alone while rank 0 goes on into the next collective until its timeout. Fails before: rank 0
+    returned its layout."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    mp.spawn(_refusing_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        r = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert r["error"] and "completion 1's recorded routing covers 2 tokens" in r["error"], (rank, r)
+        assert "refused on rank 1 of 2; every rank stops" in r["error"] and r["seconds"] < 10, (rank, r)
+
+
+def test_the_routing_replay_item_asks_for_a_cut_not_just_no_worse():
+    """gpu_check.replay_verdict, the routing_replay item's verdict on the first step's rollout/logp_diff_max: a replay
+    equal to none (or a little worse, within the old 0.02) fails, one that halves the gap passes (REPLAY_CUT 2), a run
+    without a gap to cut fails. Fails before: no verdict asked for a cut."""
+    assert gpu_check.REPLAY_CUT == 2.0
+    assert "REPLAY_CUT asks 2x" in gpu_check.replay_verdict(0.4, 0.4)
+    assert gpu_check.replay_verdict(0.4, 0.41) is not None
+    assert gpu_check.replay_verdict(0.4, 0.3) is not None
+    assert gpu_check.replay_verdict(0.4, 0.2) is None and gpu_check.replay_verdict(0.4, 0.0) is None
+    assert "no gap to cut" in gpu_check.replay_verdict(0.0, 0.0)
+
+
+def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_items(world1, monkeypatch):
+    """realsize_update builds its model through model.load_model (called with its real signature), as train.py does:
+    the vision tower's attention modules run model.vision_attention (one call per layer), not transformers' loop over
+    windows, and each case reports the attention that ran. The realsize item runs after the vLLM items (whose import
+    turns cuDNN attention off, as in train.py). Fails before: the model came from from_config with transformers' own
+    attention, and realsize ran before the vLLM items."""
+    import inspect
+
+    import planner
+    built, real = [], model.load_model
+
+    def load_model(*a, **k):
+        inspect.signature(real).bind(*a, **k)
+        built.append(real(*a, **k))
+        return built[-1]
+    monkeypatch.setattr(model, "load_model", load_model)
+    config = planner.builtin_config("qwen2.5-vl-3b")
+    t, v = config.text_config, config.vision_config
+    t.num_hidden_layers, t.layer_types, t.vocab_size = 1, t.layer_types[:1], 32000
+    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
+    v.depth, v.fullatt_block_indexes = 2, [1]
+    groups = gpu_check.realsize_groups(config, 1, 2, (60, 70), (20, 30), (5, 10))
+    out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", peak=cpu_peak)
+    assert len(built) == 1
+    attn = [m for m in built[0].model.visual.modules() if type(m).__name__.endswith("VisionAttention")]
+    assert len(attn) == 2 and all(m.forward.__func__ is model.vision_attention for m in attn)
+    said = out["standard, gradient checkpointing on"]["attention"]
+    assert said["text"] == said["vision"] == "sdpa" and said["vision_one_call"] is True, said
+    assert set(said["sdpa_backends"]) == {"cudnn", "flash", "mem_efficient", "math"}
+    order = gpu_check.run_order()
+    assert order[-1] == "realsize" and sorted(order) == sorted(gpu_check.ITEMS)
+    assert order.index("routing_replay") < order.index("realsize") > order.index("vllm_sleep_levels")
+    assert gpu_check.run_order(["realsize", "fused_adam"]) == ["fused_adam", "realsize"]
