@@ -34,7 +34,7 @@ demo: venv
 ifeq ($(TASK),judge)
 	mkdir -p runs; $(PY) tools/judge_server.py --port $(JUDGE_PORT) > runs/judge_server.log 2>&1 & judge=$$!; \
 	trap "kill $$judge" EXIT; sleep 2; $(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py \
-	--output_dir runs/demo-judge --reward_funcs judge --judge_url http://127.0.0.1:$(JUDGE_PORT)/v1 --judge_model stand-in-judge --max_steps 80 \
+	--output_dir runs/demo-judge --reward_funcs judge --judge_url http://127.0.0.1:$(JUDGE_PORT)/v1 --judge_model stand-in-judge \
 	$(if $(ARCH),--tiny_arch $(ARCH)) $(DEMO_FLAGS)
 else
 	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
