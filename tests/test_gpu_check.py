@@ -303,13 +303,7 @@ def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
     within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
     plan says cannot fit is reported, not run."""
-    import planner
-    config = planner.builtin_config("qwen2.5-vl-3b")
-    t, v = config.text_config, config.vision_config
-    t.num_hidden_layers, t.layer_types, t.vocab_size = 2, t.layer_types[:2], 32000
-    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
-    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
-    v.depth, v.fullatt_block_indexes = 2, [1]
+    config = small_3b(2)
     groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
     cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
     out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
@@ -411,7 +405,6 @@ def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_it
     attention, and realsize ran before the vLLM items."""
     import inspect
 
-    import planner
     built, real = [], model.load_model
 
     def load_model(*a, **k):
@@ -419,12 +412,7 @@ def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_it
         built.append(real(*a, **k))
         return built[-1]
     monkeypatch.setattr(model, "load_model", load_model)
-    config = planner.builtin_config("qwen2.5-vl-3b")
-    t, v = config.text_config, config.vision_config
-    t.num_hidden_layers, t.layer_types, t.vocab_size = 1, t.layer_types[:1], 32000
-    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
-    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
-    v.depth, v.fullatt_block_indexes = 2, [1]
+    config = small_3b(1)
     groups = gpu_check.realsize_groups(config, 1, 2, (60, 70), (20, 30), (5, 10))
     out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", peak=cpu_peak)
     assert len(built) == 1
@@ -437,3 +425,15 @@ def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_it
     assert order[-1] == "realsize" and sorted(order) == sorted(gpu_check.ITEMS)
     assert order.index("routing_replay") < order.index("realsize") > order.index("vllm_sleep_levels")
     assert gpu_check.run_order(["realsize", "fused_adam"]) == ["fused_adam", "realsize"]
+
+
+def small_3b(layers):
+    """Qwen2.5-VL-3B's widths with `layers` decoder layers, 2 vision blocks and a 32,000-token vocabulary."""
+    import planner
+    config = planner.builtin_config("qwen2.5-vl-3b")
+    t, v = config.text_config, config.vision_config
+    t.num_hidden_layers, t.layer_types, t.vocab_size = layers, t.layer_types[:layers], 32000
+    t.bos_token_id = t.eos_token_id = config.bos_token_id = config.eos_token_id = 31993
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = 31990, 31991, 31992
+    v.depth, v.fullatt_block_indexes = 2, [1]
+    return config
