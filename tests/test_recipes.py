@@ -5,6 +5,7 @@ import shlex
 
 import pytest
 
+import tiny
 from conftest import ROOT, launch
 
 RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".sh"))
@@ -35,8 +36,11 @@ def test_recipes_are_found():
 @pytest.mark.launch
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_on_the_tiny_model(tmp_path, tiny_default, name):
-    model, train_jsonl, val_jsonl = tiny_default
     flags = recipe_flags(name)
+    # a box reward's recipe runs on the tiny grounding task: the launch skips a row whose solution iou cannot read
+    # (the colour task's words), as --check_data counts it
+    model, train_jsonl, val_jsonl = tiny_default if "iou" not in flags else \
+        tiny.ensure_default(os.path.join(ROOT, ".cache", "tiny"), task="grounding", size="small")
     rows, log = launch(tmp_path, "--model", model, "--train_data", train_jsonl, "--val_data", val_jsonl, *flags,
                        "--max_steps", "1", "--val_freq", "0", "--no-val_before_train", "--save_steps", "0",
                        "--no-save_final_model")
@@ -44,7 +48,4 @@ def test_recipe_runs_on_the_tiny_model(tmp_path, tiny_default, name):
         log[-3000:]
     (step,) = [r for r in rows if "rollout/logp_diff_max" in r]
     assert step["step"] == 1 and step["rollout/logp_diff_max"] < 0.5    # bf16 over long completions: loose
-    # the colour task's solutions are words, not boxes: the box reward (iou) fails on every completion, and a
-    # failed reward is no score (docs/data.md): the step logs no reward/mean, counts the failures and goes on
-    assert ("reward/mean" in step) == ("iou" not in flags), step
-    assert (step.get("reward/iou_failures", 0) > 0) == ("iou" in flags), step
+    assert "reward/mean" in step and step.get("reward/iou_failures", 0) == 0, step
