@@ -594,8 +594,7 @@ def check_box(row, args, size=None, norm_bbox="none"):
         return
     where, value, rule = row["_where"], row["solution"], " ".join(names)
     shown = f"solution {value!r}"[:80]
-    numeric = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value)
-    nums = [float(v) for v in value] if numeric else [float(v) for v in reward.COORD.findall(str(value))[:4]]
+    nums = reward.box_numbers(value)
     if len(nums) != 4 or not all(map(math.isfinite, nums)):
         raise Unusable(where, f"solution is not a box: {rule} reads four numbers x1, y1, x2, y2 from it", shown)
     x1, y1, x2, y2 = nums

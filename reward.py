@@ -118,12 +118,17 @@ def format(completions, **kwargs):
     return [float(bool(pattern.match(c)) and all(c.count(t) == 1 for t in tags)) for c in completions]
 
 
+def box_numbers(value):
+    """value's numbers as a box reads them: a list of numbers as it is, else the first 4 numbers of its text."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        return [float(v) for v in value]
+    # text ("(1,2),(3,4)", '{"bbox_2d": [1,2,3,4]}'), or a list of strings or lists: read its printed form
+    return [float(v) for v in COORD.findall(str(value))[:4]]
+
+
 def box_of(value):
     """value's first 4 numbers as [x1, y1, x2, y2]; None if fewer or empty."""
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
-        nums = [float(v) for v in value]
-    else:  # text ("(1,2),(3,4)", '{"bbox_2d": [1,2,3,4]}'), or a list of strings or lists: read its printed form
-        nums = [float(v) for v in COORD.findall(str(value))[:4]]
+    nums = box_numbers(value)
     ok = len(nums) == 4 and all(map(math.isfinite, nums)) and nums[2] > nums[0] and nums[3] > nums[1]
     return nums if ok else None
 
