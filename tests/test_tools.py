@@ -562,10 +562,12 @@ def test_a_tool_that_returns_images_gets_an_image_limit_that_shows_them(monkeypa
     assert f"at most {16 * 3 * 1003520 * 27 / 2 ** 30:.3g} GB of host RAM" in line
 
 
-def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys):
+def test_a_template_without_tools_gets_qwens_block_in_the_system_message(capsys, monkeypatch):
     """Qwen2.5-VL's template as shipped (tiny.CHAT_TEMPLATE) shows no tools: they go at the head of the system
     message in Qwen's own format, said once; the zoom model's template shows them itself."""
     from transformers import AutoProcessor
+
+    monkeypatch.setattr(data, "_said", set())  # said once per process: an earlier test may have said it
 
     from conftest import tiny_of
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
