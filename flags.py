@@ -22,15 +22,13 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and t
                "tags.")
 
 
-# TRL's --loss_type names (GRPOConfig.loss_type) onto --loss_agg; the others are refused with these reasons
-# (docs/flags.md, --loss_type).
+# TRL's --loss_type names (GRPOConfig.loss_type) onto --loss_agg; cispo and gmpo are policy losses (grpo.LOSSES) under
+# any --loss_agg; the others are refused with these reasons (docs/flags.md, --loss_type).
 LOSS_TYPES = {"grpo": "sequence", "dapo": "token", "dr_grpo": "dr_grpo"}
 LOSS_TYPES_NOT_BUILT = {
     "bnpo": "TRL's bnpo divides by the active tokens of each local (micro-)batch, so a step's loss depends on how it "
             "is cut; --loss_type dapo (--loss_agg token) divides by the step's tokens over every rank, the same "
             "objective when the micro-batches hold equal token counts",
-    "cispo": "CISPO (MiniMax-M1) clips the importance weight itself and weights the log-probs by it: another policy "
-             "loss, not built (grpo.grpo_loss is the place)",
     "sapo": "SAPO replaces the clip with a soft gate: another policy loss, not built (grpo.grpo_loss is the place)",
     "luspo": "LUSPO scales GSPO's sequence loss by its length: another policy loss, not built (grpo.grpo_loss is the "
              "place)"}
@@ -135,9 +133,9 @@ def build_parser():
     g.add_argument("--loss_agg", default="token", choices=["token", "sequence", "dr_grpo"],
                    help="token-level sum / tokens (DAPO), per-sequence mean (GRPO), or sum / (sequences x "
                         "max_completion_length) (Dr. GRPO, with --scale_rewards none)")
-    g.add_argument("--loss_type", default=None, choices=list(LOSS_TYPES) + list(LOSS_TYPES_NOT_BUILT),
-                   help="TRL's name for the aggregation: grpo, dapo and dr_grpo set --loss_agg sequence, token and "
-                        "dr_grpo; bnpo, cispo, sapo and luspo are refused")
+    g.add_argument("--loss_type", default=None, choices=[*LOSS_TYPES, "cispo", "gmpo", *LOSS_TYPES_NOT_BUILT],
+                   help="TRL's grpo, dapo, dr_grpo set --loss_agg; cispo clips its weight to [1 - epsilon, 1 + "
+                        "epsilon_high], gmpo its log-ratios to [-epsilon, epsilon_high]")
     g.add_argument("--advantage_estimator", default="grpo", choices=list(grpo.ESTIMATORS),
                    help="how rewards become advantages: grpo, rloo, reinforce_plus_plus_baseline, pass_at_k (pass@k "
                         "training) or process (per token, from per-step rewards)")
@@ -501,7 +499,7 @@ def parse_args(argv=None):
     args.explicit = explicit(argv)
     if args.loss_type in LOSS_TYPES_NOT_BUILT:
         p.error(f"--loss_type {args.loss_type}: {LOSS_TYPES_NOT_BUILT[args.loss_type]}")
-    if args.loss_type:   # TRL's name for an aggregation built here: --loss_agg follows it
+    if args.loss_type in LOSS_TYPES:   # TRL's name for an aggregation built here: --loss_agg follows it
         agg = LOSS_TYPES[args.loss_type]
         if "loss_agg" in args.explicit and args.loss_agg != agg:
             p.error(f"--loss_type {args.loss_type} means --loss_agg {agg}, not the --loss_agg {args.loss_agg} given")
@@ -539,6 +537,12 @@ def inert_flags(args):
         notes.append(f"{' and '.join(clip)} act only with --num_iterations > 1: with one optimizer step per rollout "
                      "batch the ratio to the sampling policy is 1 and the clip never acts "
                      "(train/clip_frac 0; TRL alike)")
+    if args.loss_type in ("cispo", "gmpo") and args.num_iterations == 1:   # tests/test_grpo.py shows it
+        tail = " (its logged loss, -A log pi, is not)" if args.loss_type == "cispo" else ""
+        if args.loss_type == "gmpo" and args.vllm_importance_sampling_correction.startswith("token"):
+            tail = ", but for the per-token sampler weights, which GMPO averages over each completion"
+        notes.append(f"--loss_type {args.loss_type} with --num_iterations 1: every ratio is 1, so its gradient "
+                     f"equals GRPO's{tail}")
     if "limit_images" in given and 2 <= args.limit_images < toolbox.image_limit(args):
         notes.append(f"--limit_images {args.limit_images} with --tools {' '.join(args.tools)} and --max_turns "
                      f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
@@ -608,6 +612,11 @@ def check_args(args, world, local=None, cuda=None):
          f"--pass_at_k {args.pass_at_k}: k of pass@k lies in 1..--num_generations ({args.num_generations})")
     need(args.advantage_estimator != "process" or not args.tools, "--advantage_estimator process with --tools: not "
          "built (a trajectory's rewards read its last turn, whose spans are not mapped onto the turns' tokens)")
+    need(args.loss_type not in ("cispo", "gmpo") or args.importance_sampling_level == "token",
+         f"--loss_type {args.loss_type} with --importance_sampling_level sequence: not built (CISPO weighs each token, "
+         f"GMPO takes its own sequence ratio, the geometric mean of the clipped token ratios)")
+    need(args.loss_type != "gmpo" or args.advantage_estimator != "process", "--loss_type gmpo with "
+         "--advantage_estimator process: GMPO's objective is one advantage times a sequence's ratio, not per token")
     need(not args.tools or args.max_turns >= 2,
          f"--tools with --max_turns {args.max_turns}: a call needs a turn after it")
     need(args.top_k >= 0 and 0 < args.top_p <= 1,

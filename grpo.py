@@ -3,9 +3,9 @@
 Pure functions, tensors in and tensors (or `(loss, metrics)`) out, so they are unit-tested by
 hand-computed cases (tests/test_grpo.py) and read in one go. train.py owns everything else.
 Advantage estimators: GRPO (its std scalings), RLOO, REINFORCE++-baseline, pass@k, process supervision
-(one advantage per token). Loss variants: GRPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio, the vLLM
-importance-sampling correction, an entropy bonus. Left out on purpose: sequence packing. Names follow TRL / DAPO:
-advantages, logps, old_logps, ref_logps, sampler_logps, entropy.
+(one advantage per token). Loss variants: GRPO, CISPO, GMPO, DAPO token-level, Dr. GRPO, GSPO's sequence-level ratio,
+the vLLM importance-sampling correction, an entropy bonus. Left out on purpose: sequence packing. Names follow TRL /
+DAPO: advantages, logps, old_logps, ref_logps, sampler_logps, entropy.
 """
 import dataclasses
 import math
@@ -238,6 +238,11 @@ def token_logps(lm_head, hidden, token_ids, sampling=Sampling(), chunk_tokens=10
 
 
 # ----------------------------------------------------------------------------- the loss
+# The policy losses grpo_loss computes (--loss_type): GRPO's clipped ratio, CISPO (MiniMax-M1, arXiv 2506.13585),
+# GMPO (arXiv 2507.20673); docs/step.md has their formulas.
+LOSSES = ("grpo", "cispo", "gmpo")
+
+
 def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", cap=2.0):
     """Importance weights for the gap between vLLM and the trainer. old_logps (of vLLM's distribution),
     sampler_logps, mask: (B, C) -> (weights (B, C) or (B, 1), metrics). mode: a ratio per token_* or sequence_*,
@@ -264,12 +269,13 @@ def sampler_correction(old_logps, sampler_logps, mask, mode="token_truncate", ca
 
 def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None, beta=0.0, ref_logps=None,
               loss_agg="token", norm=None, importance_sampling_level="token", is_weights=None, entropy=None,
-              entropy_coef=0.0):
+              entropy_coef=0.0, loss_type="grpo"):
     """logps, old_logps, ref_logps, entropy, mask: (B, C); advantages: (B,), or (B, C) per token -> (loss, metrics).
-    The clipped-ratio policy loss per token (ratio per "token" or per "sequence": importance_sampling_level) times
-    is_weights (B, C) or (B, 1), plus beta x the k3 KL, minus entropy_coef x entropy. loss_agg: "token" sums over
-    tokens, "sequence" over each sequence's mean, "dr_grpo" as token; each / norm (default: the mask's tokens or
-    sequences; dr_grpo's is required). metrics: means over the tokens (clip_frac, kl, entropy) and their count."""
+    The policy loss per token (loss_type, one of LOSSES; grpo's ratio per "token" or per "sequence":
+    importance_sampling_level) times is_weights (B, C) or (B, 1), plus beta x the k3 KL, minus entropy_coef x entropy.
+    loss_agg: "token" sums over tokens, "sequence" over each sequence's mean, "dr_grpo" as token; each / norm
+    (default: the mask's tokens or sequences; dr_grpo's is required). metrics: means over the tokens (clip_frac, kl,
+    entropy) and their count."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps                                  # (B, C)
@@ -277,11 +283,28 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     elif importance_sampling_level != "token":
         raise ValueError(f"--importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
+    if loss_type != "grpo" and (importance_sampling_level != "token" or loss_type not in LOSSES):
+        raise ValueError(f"loss_type must be one of {LOSSES}, with token-level ratios, got {loss_type!r} and "
+                         f"{importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)                                   # (B, C) or (B, 1)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages   # (B, 1) or (B, C)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
-    per_token = -torch.min(unclipped, clipped)                     # (B, C) or (B, 1)
+    if loss_type == "cispo":   # MiniMax-M1: the clipped weight is a constant, so every token keeps its gradient
+        weight = torch.clamp(ratio, 1 - epsilon, 1 + eps_high).detach()          # (B, C)
+        per_token = -weight * adv * logps                                        # (B, C)
+        is_clipped = (ratio < 1 - epsilon) | (ratio > 1 + eps_high)
+    elif loss_type == "gmpo":   # the geometric mean of the ratios, each clipped in log space on A's side
+        if adv.shape[1] != 1:
+            raise ValueError("loss_type gmpo needs one advantage per sequence, got one per token")
+        sign = adv.sign()                                                        # (B, 1)
+        kept = torch.min(sign * log_ratio, sign * log_ratio.clamp(-epsilon, eps_high))   # (B, C)
+        is_clipped = kept < sign * log_ratio
+        mean_log = (sign * kept * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)   # (B, 1)
+        per_token = -adv * torch.exp(mean_log)                                   # (B, 1)
+    else:
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
+        per_token = -torch.min(unclipped, clipped)                     # (B, C) or (B, 1)
+        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
     if is_weights is not None:
         per_token = per_token * is_weights
     per_token = per_token.expand_as(mask)                          # (B, C)
@@ -302,7 +325,7 @@ def grpo_loss(logps, old_logps, advantages, mask, epsilon=0.2, epsilon_high=None
     else:
         raise ValueError(f"--loss_agg must be token, sequence or dr_grpo, got {loss_agg!r}")
     n = mask.sum()
-    is_clipped = (((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))).expand_as(mask)
+    is_clipped = is_clipped.expand_as(mask)
     metrics = {"clip_frac": ((is_clipped.float() * mask).sum() / n.clamp(min=1)).item(),
                "kl": ((kl * mask).sum() / n.clamp(min=1)).item() if kl is not None else 0.0, "tokens": n.item(),
                "entropy": ((entropy.detach() * mask).sum() / n.clamp(min=1)).item() if entropy is not None else 0.0}

@@ -48,7 +48,8 @@ def update(run, batches, m, extra=()):
                     ts.logps, **from_records(run, b["completions"], beta), mask=mask, epsilon=args.epsilon,
                     epsilon_high=args.epsilon_high, beta=beta, loss_agg=args.loss_agg, norm=norm,
                     importance_sampling_level=args.importance_sampling_level, entropy=ts.entropy,
-                    entropy_coef=args.entropy_coef)
+                    entropy_coef=args.entropy_coef,   # TRL's dapo and dr_grpo name an aggregation only
+                    loss_type=args.loss_type if args.loss_type in grpo.LOSSES else "grpo")
                 for k, v in lm.items():
                     if k != "tokens":
                         m.add(f"train/{k}", v, lm["tokens"])   # token-weighted

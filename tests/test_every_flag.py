@@ -71,7 +71,8 @@ ACTS = {
     "--loss_type": [
         "tests/test_flags.py::test_trls_loss_type_names_set_the_aggregation",
         "tests/test_step.py::test_each_loss_flag_changes_the_update",
-    ],   # it sets --loss_agg, which acts
+        "tests/test_grpo.py::test_loss_type_reaches_the_loss_through_the_update",
+    ],   # TRL's names set --loss_agg, which acts; cispo and gmpo change the policy loss
     "--advantage_estimator": "tests/test_hooks.py::test_pass_at_k_gets_its_k_and_matches_the_papers_advantages",
     "--scale_rewards": "tests/test_step.py::test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise",
     "--pass_at_k": "tests/test_hooks.py::test_pass_at_k_gets_its_k_and_matches_the_papers_advantages",

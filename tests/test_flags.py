@@ -112,7 +112,7 @@ def test_trls_loss_type_names_set_the_aggregation(loss_type, loss_agg):
         flags.parse_args(["--model", "M", "--loss_type", loss_type, "--loss_agg", other])
 
 
-@pytest.mark.parametrize("loss_type", ["bnpo", "cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("loss_type", ["bnpo", "sapo", "luspo"])
 def test_trls_other_loss_types_are_refused_saying_how_they_differ(loss_type, capsys):
     with pytest.raises(SystemExit):
         flags.parse_args(["--model", "M", "--loss_type", loss_type])

@@ -3,8 +3,13 @@ import math
 
 import pytest
 import torch
+from test_step import FakeEngine, FakeLLM, make_run
 
+import flags
 import grpo
+import learner
+import startup
+import train
 from conftest import allocations
 
 
@@ -403,3 +408,203 @@ def test_an_unscored_completion_is_out_of_its_groups_statistics():
     for est, scale in (("grpo", "batch"), ("rloo", "group"), ("reinforce_plus_plus_baseline", "group")):
         a, _ = grpo.group_advantages(everyone, 3, est, scale, everyone=everyone)
         assert torch.isfinite(a).all() and a[1] == 0 and a[3:6].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------- CISPO and GMPO (--loss_type)
+LOGPS = [[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]]        # sequence 0's third token is padding
+OLD = [[-1.5, -0.5, -9.0], [-0.9, -1.0, -0.2]]           # ratios e^0.5, 1, -; e^0.6, e^-0.2, e^-0.5
+MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def hand_loss(lp, adv, agg, terms):
+    """Each token's (loss, d loss / d logp) from terms(b, t) -> the loss and gradient aggregated by hand."""
+    rows = [[t for t in range(3) if MASK[b][t]] for b in range(2)]
+    n_tok = sum(len(r) for r in rows)
+    loss, grad = 0.0, [[0.0] * 3 for _ in range(2)]
+    for b, row in enumerate(rows):
+        div = n_tok if agg == "token" else 2 * len(row)   # sequence: each sequence's mean, then the mean of the 2
+        for t in row:
+            value, d = terms(b, t)
+            loss += value / div
+            grad[b][t] = d / div
+    return loss, grad
+
+
+def loss_and_grad(adv, **kw):
+    lp = torch.tensor(LOGPS, requires_grad=True)
+    loss, m = grpo.grpo_loss(lp, torch.tensor(OLD), adv, torch.tensor(MASK), **kw)
+    loss.backward()
+    return loss.item(), lp.grad.tolist(), m
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_cispo_is_the_clipped_detached_weight_times_the_log_prob(agg, per_token):
+    """MiniMax-M1 (arXiv 2506.13585, eq. 4): per token -sg(clip(r, 1 - eps, 1 + eps_high)) A log pi. A clipped token
+    keeps the gradient -w A (GRPO's gets 0); eps 1 leaves no lower clip."""
+    A = [[1.0, 2.0, 0.0], [-1.0, 0.5, -2.0]] if per_token else [[1.0] * 3, [-1.0] * 3]
+    adv = torch.tensor(A) if per_token else torch.tensor([1.0, -1.0])
+    for eps, eps_high in ((0.2, 0.28), (1.0, 0.28)):
+        def terms(b, t):
+            r = math.exp(LOGPS[b][t] - OLD[b][t])
+            w = min(max(r, 1 - eps), 1 + eps_high)
+            return -w * A[b][t] * LOGPS[b][t], -w * A[b][t]
+        want, want_grad = hand_loss(LOGPS, A, agg, terms)
+        got, grad, m = loss_and_grad(adv, epsilon=eps, epsilon_high=eps_high, loss_agg=agg, loss_type="cispo")
+        assert got == pytest.approx(want) and grad == [pytest.approx(g) for g in want_grad]
+        # e^0.5 and e^0.6 above 1.28; e^-0.5 = 0.61 below 0.8 only with eps 0.2
+        assert m["clip_frac"] == pytest.approx((3 if eps == 0.2 else 2) / 5)
+        assert grad[0][0] != 0 and grad[1][0] != 0   # clipped, and still a gradient
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_gmpo_is_the_geometric_mean_of_the_ratios_clipped_in_log_space(agg):
+    """GMPO (arXiv 2507.20673; callsys/GMPO): per sequence -A exp(mean_t clip_A(log r_t)), where A > 0 caps
+    log r at eps_high and A < 0 floors it at -eps; a clipped token gets no gradient, the others A's share of the
+    sequence's ratio / |o|. Under --loss_agg token the sequence's term counts once per token."""
+    A = [2.0, -1.0]
+    eps, eps_high = 0.4, 0.3
+    clipped_log, kept = [], []
+    for b in range(2):
+        logs = [LOGPS[b][t] - OLD[b][t] for t in range(3) if MASK[b][t]]
+        cut = [min(x, eps_high) if A[b] > 0 else max(x, -eps) for x in logs]
+        clipped_log.append(sum(cut) / len(cut))
+        kept.append([x == c for x, c in zip(logs, cut)])
+
+    def terms(b, t):
+        # the token's copy of its sequence's term; the n copies' gradient by logp_t: n x -A rho / n, if not clipped
+        rho = math.exp(clipped_log[b])
+        return -A[b] * rho, -A[b] * rho * kept[b][t]
+    want, want_grad = hand_loss(LOGPS, A, agg, terms)
+    if agg == "sequence":   # the paper's 1/G sum over the sequences
+        assert want == pytest.approx(-(A[0] * math.exp(clipped_log[0]) + A[1] * math.exp(clipped_log[1])) / 2)
+    got, grad, m = loss_and_grad(torch.tensor(A), epsilon=eps, epsilon_high=eps_high, loss_agg=agg, loss_type="gmpo")
+    assert got == pytest.approx(want) and grad == [pytest.approx(g) for g in want_grad]
+    assert m["clip_frac"] == pytest.approx(2 / 5)   # 0.5 > 0.3 (A > 0); -0.5 < -0.4 (A < 0)
+    assert grad[0][0] == 0 and grad[1][2] == 0 and grad[0][1] != 0
+
+
+def ratio_one(loss_type, agg, is_weights):
+    """At num_iterations 1 the old log-probs are the forward's own, detached: each ratio is 1. -> (loss, grads of
+    the log-probs and of the entropy), with the KL, the entropy bonus and the sampler weights on."""
+    lp = torch.tensor(LOGPS, requires_grad=True)
+    ent = torch.tensor([[0.5, 0.7, 0.0], [0.2, 0.9, 1.1]], requires_grad=True)
+    loss, _ = grpo.grpo_loss(lp, lp.detach(), torch.tensor([1.5, -0.5]), torch.tensor(MASK), beta=0.1,
+                             ref_logps=torch.tensor(OLD), loss_agg=agg, norm=2 * 3 if agg == "dr_grpo" else None,
+                             is_weights=is_weights, entropy=ent, entropy_coef=0.05, loss_type=loss_type)
+    loss.backward()
+    return loss.item(), lp.grad, ent.grad
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence", "dr_grpo"])
+def test_at_ratio_one_cispo_and_gmpo_step_as_grpo(agg):
+    """At ratio 1 (--num_iterations 1) CISPO's gradient is GRPO's, -A per token, and so is GMPO's under the same
+    --loss_agg: its geometric mean moves by 1/|o| of each token's, and the sequence's term counts |o| times (token)
+    or its mean is taken (sequence). The KL and the entropy bonus are the same terms. GMPO's equality needs the
+    sampler weights constant over a sequence (sequence_*); per token they are averaged over it."""
+    seq_w, tok_w = torch.tensor([[0.7], [1.3]]), torch.tensor([[0.7, 1.0, 1.0], [1.3, 0.4, 1.0]])
+    for w in (None, seq_w, tok_w):
+        base_loss, base, base_ent = ratio_one("grpo", agg, w)
+        for loss_type in ("cispo", "gmpo"):
+            loss, grad, ent = ratio_one(loss_type, agg, w)
+            assert torch.equal(ent, base_ent)
+            if loss_type == "gmpo" and w is tok_w:
+                assert not torch.allclose(grad, base)
+            else:
+                assert torch.allclose(grad, base, atol=1e-7), (loss_type, w)
+            assert (loss == pytest.approx(base_loss)) == (loss_type == "gmpo")   # CISPO's value is A log pi's
+
+
+def test_gmpo_without_a_clip_is_gspos_sequence_ratio():
+    """GSPO's sequence ratio (arXiv 2507.18071) is the same geometric mean of the token ratios: where no clip acts the
+    two losses and their gradients are one, at ratios far from 1; GSPO clips a whole sequence, GMPO single tokens."""
+    for agg in ("token", "sequence"):
+        wide = dict(epsilon=50.0, epsilon_high=50.0, loss_agg=agg)
+        gspo = loss_and_grad(torch.tensor([2.0, -1.0]), importance_sampling_level="sequence", **wide)
+        gmpo = loss_and_grad(torch.tensor([2.0, -1.0]), loss_type="gmpo", **wide)
+        assert gmpo[0] == pytest.approx(gspo[0]) and gmpo[1] == [pytest.approx(g) for g in gspo[1]]
+        narrow = loss_and_grad(torch.tensor([2.0, -1.0]), loss_type="gmpo", epsilon=0.2, loss_agg=agg)
+        assert narrow[0] != pytest.approx(gspo[0])
+
+
+def test_gmpo_refuses_per_token_advantages_and_both_refuse_a_sequence_ratio():
+    """GMPO's objective is one advantage times a sequence's ratio; CISPO and GMPO take token ratios (check_args
+    refuses the flags alike, naming them)."""
+    lp, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        grpo.grpo_loss(lp, lp, torch.ones(1, 2), mask, loss_type="gmpo")
+    for loss_type in ("cispo", "gmpo"):
+        with pytest.raises(ValueError, match="token-level ratios"):
+            grpo.grpo_loss(lp, lp, torch.ones(1), mask, loss_type=loss_type, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        grpo.grpo_loss(lp, lp, torch.ones(1), mask, loss_type="dapo")
+
+
+def one_step(parts, tmp_path, **flags):
+    """A step of learner.update on the fake unigram policy, completions of 1 to 3 tokens sampled at log-prob -1, a
+    large learning rate so that a second iteration's ratios are far from 1 -> (the policy after it, the logged)."""
+    tok = parts[0].tokenizer
+    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
+    answers = [[red], [red, blue, red], [blue, red], [blue]]
+    run, samples = make_run(parts, tmp_path, max_completion_length=4, vllm_importance_sampling_correction="none",
+                            entropy_coef=0.0, **flags)
+    run.llm = FakeLLM(tok, lambda request, k: answers[k])
+    run.engine = FakeEngine(len(tok), run.gas, lr=100.0)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    batches = train.micro_batches(run, groups)
+    learner.old_ref_logps(run, batches)
+    train.advantages(run, groups, {})
+    logged = learner.update(run, batches, train.Metrics())
+    return run.engine.module.w.detach().clone(), logged
+
+
+def test_loss_type_reaches_the_loss_through_the_update(parts, tmp_path):
+    """--loss_type cispo and gmpo act at the far end of learner.update: at --num_iterations 2 each gives its own
+    policy, and CISPO keeps gradient on the tokens GRPO clips (train/clip_frac > 0). At --num_iterations 1 each step
+    is GRPO's, as the start-up note says; CISPO's train/loss, -A log pi, is not GRPO's."""
+    two = {t: one_step(parts, tmp_path / f"{t}2", num_iterations=2, loss_type=t) for t in (None, "cispo", "gmpo")}
+    assert two[None][1]["train/clip_frac"] > 0
+    for t in ("cispo", "gmpo"):
+        assert not torch.allclose(two[t][0], two[None][0], atol=1e-6), t
+    assert not torch.allclose(two["cispo"][0], two["gmpo"][0], atol=1e-6)
+    one = {t: one_step(parts, tmp_path / f"{t}1", num_iterations=1, loss_type=t) for t in (None, "cispo", "gmpo")}
+    for t in ("cispo", "gmpo"):
+        assert torch.allclose(one[t][0], one[None][0], atol=1e-6), t
+    assert one["cispo"][1]["train/loss"] != pytest.approx(one[None][1]["train/loss"])
+    assert one["gmpo"][1]["train/loss"] == pytest.approx(one[None][1]["train/loss"])
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "gmpo"])
+def test_the_start_says_a_one_iteration_run_steps_as_grpo(loss_type, world1, tmp_path, capsys):
+    """startup.settle_flags prints the note at --num_iterations 1, none at 2; GMPO's adds the per-token sampler
+    weights, which it averages over a completion."""
+    for n, correction in ((1, "sequence_mask"), (1, "token_truncate"), (2, "sequence_mask")):
+        args = train.parse_args(["--loss_type", loss_type, "--num_iterations", str(n), "--output_dir",
+                                 str(tmp_path / f"{n}{correction}"), "--train_data", "unread.jsonl",
+                                 "--vllm_importance_sampling_correction", correction])
+        startup.settle_flags(args, 0, 1, 1)
+        said = [line for line in capsys.readouterr().out.splitlines() if "--loss_type" in line]
+        if n == 2:
+            assert said == []
+            continue
+        (line,) = said
+        assert line.startswith(f"[flags] note: --loss_type {loss_type} with --num_iterations 1: every ratio is 1, "
+                               "so its gradient equals GRPO's")
+        assert ("per-token sampler weights" in line) == (loss_type == "gmpo" and correction != "sequence_mask")
+        assert ("-A log pi" in line) == (loss_type == "cispo")
+
+
+@pytest.mark.parametrize("given,refused", [
+    (["--loss_type", "cispo", "--importance_sampling_level", "sequence"], "--loss_type cispo with "
+                                                                          "--importance_sampling_level sequence"),
+    (["--loss_type", "gmpo", "--importance_sampling_level", "sequence"], "--loss_type gmpo with "
+                                                                         "--importance_sampling_level sequence"),
+    (["--loss_type", "gmpo", "--advantage_estimator", "process"], "--loss_type gmpo with --advantage_estimator "
+                                                                  "process"),
+])
+def test_check_args_refuses_what_cispo_and_gmpo_do_not_define(given, refused):
+    with pytest.raises(SystemExit, match=refused):
+        flags.check_args(flags.parse_args(given), 1)
+    flags.check_args(flags.parse_args(given[:2]), 1)   # the loss alone is fine
+    assert flags.parse_args(given[:2]).loss_agg == "token"   # and keeps --loss_agg
