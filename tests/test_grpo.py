@@ -416,7 +416,7 @@ OLD = [[-1.5, -0.5, -9.0], [-0.9, -1.0, -0.2]]           # ratios e^0.5, 1, -; e
 MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
 
 
-def hand_loss(lp, adv, agg, terms):
+def hand_loss(agg, terms):
     """Each token's (loss, d loss / d logp) from terms(b, t) -> the loss and gradient aggregated by hand."""
     rows = [[t for t in range(3) if MASK[b][t]] for b in range(2)]
     n_tok = sum(len(r) for r in rows)
@@ -449,7 +449,7 @@ def test_cispo_is_the_clipped_detached_weight_times_the_log_prob(agg, per_token)
             r = math.exp(LOGPS[b][t] - OLD[b][t])
             w = min(max(r, 1 - eps), 1 + eps_high)
             return -w * A[b][t] * LOGPS[b][t], -w * A[b][t]
-        want, want_grad = hand_loss(LOGPS, A, agg, terms)
+        want, want_grad = hand_loss(agg, terms)
         got, grad, m = loss_and_grad(adv, epsilon=eps, epsilon_high=eps_high, loss_agg=agg, loss_type="cispo")
         assert got == pytest.approx(want) and grad == [pytest.approx(g) for g in want_grad]
         # e^0.5 and e^0.6 above 1.28; e^-0.5 = 0.61 below 0.8 only with eps 0.2
@@ -475,7 +475,7 @@ def test_gmpo_is_the_geometric_mean_of_the_ratios_clipped_in_log_space(agg):
         # the token's copy of its sequence's term; the n copies' gradient by logp_t: n x -A rho / n, if not clipped
         rho = math.exp(clipped_log[b])
         return -A[b] * rho, -A[b] * rho * kept[b][t]
-    want, want_grad = hand_loss(LOGPS, A, agg, terms)
+    want, want_grad = hand_loss(agg, terms)
     if agg == "sequence":   # the paper's 1/G sum over the sequences
         assert want == pytest.approx(-(A[0] * math.exp(clipped_log[0]) + A[1] * math.exp(clipped_log[1])) / 2)
     got, grad, m = loss_and_grad(torch.tensor(A), epsilon=eps, epsilon_high=eps_high, loss_agg=agg, loss_type="gmpo")
