@@ -564,8 +564,7 @@ def add_passes(phases, place, args, s, p, w):
 
 
 def frozen_models(args, s):
-    """[(term, parameters)] of the frozen engines beside the policy: the reference (none under LoRA), and
-    --teacher_model and --reward_model, each counted from its own config."""
+    """[(term, parameters)] of the frozen engines: the reference (not under LoRA), the teacher, the reward model."""
     out = [("reference model", s["n"])] if args.beta > 0 and not args.use_peft else []
     return out + [(f"{name} model (--{name}_model)", params_of(path))
                   for name, path in (("teacher", getattr(args, "teacher_model", None)),
@@ -574,7 +573,7 @@ def frozen_models(args, s):
 
 @functools.lru_cache(maxsize=None)
 def params_of(path):
-    """The parameters of the model at `path` (model_shape's n), read once: every candidate's plan asks."""
+    """model_shape(path)'s n, read once."""
     return model_shape(path)["n"]
 
 

@@ -201,8 +201,7 @@ def equation_steps(completions, **kwargs):
 
 @dataclasses.dataclass
 class Scorer:
-    """What a reward with a `scorer` parameter gets, with --reward_model: the model's log-probs of each completion,
-    computed before the rewards on every rank alike (under ZeRO-3 each forward is a collective), and what it read."""
+    """A `scorer` parameter's value under --reward_model: its log-probs of each completion, and what it read."""
     processor: object     # the policy's processor; the reward model has the same tokenizer
     device: object        # where the engine computes
     token_ids: list       # (N,) each completion's token ids
@@ -213,15 +212,14 @@ class Scorer:
 
 
 def likelihood(completions, scorer, **kwargs):
-    """Per completion, the mean log-prob of the tokens the policy wrote under --reward_model; None for none, and at
-    validation (scorer None)."""
+    """Per completion, the mean log-prob under --reward_model of the tokens the policy wrote (None: validation)."""
     if scorer is None:
         return [None] * len(completions)
     return [float((lp * m).sum() / m.sum()) if m.sum() else None for lp, m in zip(scorer.logps, scorer.mask)]
 
 
 def asks_for_model(name):
-    """Whether the reward `name` takes a `scorer` (it needs --reward_model)."""
+    """Whether reward `name` takes a `scorer`."""
     return "scorer" in inspect.signature(REWARDS[name]).parameters
 
 

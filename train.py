@@ -442,7 +442,7 @@ def reward_inputs(run, samples, comps):
     if "judge" in run.args.reward_funcs:   # the judge's template names the image; --judge_images sends its pixels
         cols.update(image=[s["sources"][0] if s["sources"] else None for s in samples],
                     _images=[s["images"] for s in samples])
-    if run.reward_engine is not None:   # validation has no reward-model log-probs: scorer None, the reward unscored
+    if run.args.reward_model:   # validation has no reward-model log-probs: scorer None, the reward unscored
         logps = [c.scorer_logps for c in comps]
         cols.update(scorer=None if any(lp is None for lp in logps) else reward.Scorer(
             processor=run.processor, device=run.device, token_ids=[c.token_ids for c in comps],

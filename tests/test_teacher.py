@@ -74,7 +74,7 @@ def make_run(world1, teacher=None, reward_model=None, **flags):
     return run, groups
 
 
-def test_the_teachers_log_probs_are_a_plain_forward_and_the_advantage_is_coef_times_the_gap(world1, teacher_dir):
+def test_the_teachers_log_probs_and_the_advantage(world1, teacher_dir):
     """The teacher's log-probs (a ZeRO-3 engine, over the student's own micro-batches and images) equal a plain forward
     of the teacher on the same inputs; each token's advantage is the group's plus teacher_coef x (teacher - pi_old),
     and train/teacher_kl is the mean pi_old - teacher over the tokens."""
