@@ -4,6 +4,7 @@ tiny student: the teacher's log-probs against a plain forward of the teacher, th
 to the student; launches: a mixture-of-experts student's step, and two LoRA ranks killed and resumed bitwise."""
 import argparse
 import glob
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import torch
 
 import data
 import learner
+import logs
 import model as model_py
 import planner
 import reward
@@ -195,3 +197,16 @@ def test_lora_distillation_on_two_ranks_resumes_exactly_after_a_kill(tmp_path, t
     assert [r.get("train/teacher_kl") for r in full] == [r.get("train/teacher_kl") for r in rows]
     assert any(r.get("train/teacher_kl", 0) > 0 for r in full)
 
+
+
+def test_a_per_token_advantage_is_logged_as_a_list(tmp_path, tiny_default):
+    """completions.jsonl takes a per-token advantage (the teacher's, or --advantage_estimator process) as a list."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tiny_default[0])
+    args = train.parse_args(["--output_dir", str(tmp_path), "--report_to", "none"])
+    s = data.prepare(data.read_jsonl(tiny_default[1])[0], processor, args)
+    c = train.Completion(index=0, token_ids=[5, 6], sampler_logps=[-1.0, -1.0], text="red", finish_reason="stop",
+                         total=1.0, advantage=torch.tensor([0.5, -0.25]))
+    logs.write_trajectories(types.SimpleNamespace(args=args, processor=processor),
+                            [train.Group(sample=s, completions=[c])], 1)
+    assert json.loads(open(tmp_path / logs.COMPLETIONS).readline())["advantage"] == [0.5, -0.25]
