@@ -1,8 +1,10 @@
 """Checkpoints: written atomically, checked, resumed on the same or another number of ranks; the HF-format export.
-checkpoint-<step>/ holds zero/ (DeepSpeed's shards, optimizer, scheduler), rank<r>.pt (RNG, data position) and, last,
-trainer_state.json (step, flags, ranks, wandb id, data fingerprint, manifest). The job's lifetime is job.py's.
+checkpoint-<step>/ holds zero/ (DeepSpeed's shards, optimizer, scheduler), rank<r>.pt (RNG, data position), state.pt
+(run.state, a fork's own) and, last, trainer_state.json (step, updates, flags, ranks, wandb id, data fingerprint,
+manifest). The job's lifetime is job.py's.
 """
 import errno
+import io
 import json
 import os
 import pickle
@@ -44,9 +46,10 @@ def set_rng_state(st):
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
+def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None, state=None, updates=None):
     """A collective: the full state in output_dir/checkpoint-<step> -> its path. `reference` (ref engine, fp32
-    masters) saves a moving reference too (--ref_ema). Written to a .tmp folder and renamed last, so a crash mid-save
+    masters) saves a moving reference too (--ref_ema); `state` (run.state, the same on every rank: checked) and
+    `updates` go to state.pt and trainer_state.json. Written to a .tmp folder and renamed last, so a crash mid-save
     leaves nothing that resume takes as complete. A full disk stops the run, naming the last good checkpoint."""
     final = os.path.join(args.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
@@ -69,12 +72,15 @@ def save_checkpoint(engine, args, step, stream, run_id, rank, reference=None):
         torch.save({"rng": rng_state(), "stream": stream.state()}, os.path.join(tmp, f"rank{rank}.pt"))
         if reference is not None:
             torch.save(reference_parts(*reference), os.path.join(tmp, f"reference{rank}.pt"))
+        if state is not None:
+            save_state(state, os.path.join(tmp, STATE_PT), rank)
         dist.barrier()
         files = manifest(tmp)   # a collective: each rank reads its share of the files
         if rank == 0:
             with open(os.path.join(tmp, STATE + ".part"), "w") as f:   # whole or absent: a kill mid-write leaves .part
-                json.dump({"step": step, "wandb_id": run_id, "world": dist.get_world_size(), "args": vars(args),
-                           "data": getattr(stream, "source", None), "files": files}, f, indent=1)
+                json.dump({"step": step, "updates": step if updates is None else updates, "wandb_id": run_id,
+                           "world": dist.get_world_size(), "args": vars(args), "data": getattr(stream, "source", None),
+                           "files": files}, f, indent=1)
             os.replace(os.path.join(tmp, STATE + ".part"), os.path.join(tmp, STATE))
     except (OSError, RuntimeError) as e:   # torch's writer raises RuntimeError on a full disk, without the errno
         last = (list_checkpoints(args.output_dir) or [None])[-1]
@@ -152,6 +158,35 @@ def resume(engine, stream, args, rank, ckpt, reference=None):
     if rank == 0:
         print("\n".join(said), flush=True)
     return ckpt, state["step"]
+
+
+# ----------------------------------------------------------------------------- a fork's own state (run.state)
+STATE_PT = "state.pt"
+
+
+def save_state(state, path, rank):
+    """Rank 0 writes `state` (tensors and plain data) to path; a state that differs between ranks is a RuntimeError on
+    every rank, since one copy of it resumes on any number of ranks."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    crcs = _from_everyone(zlib.crc32(buf.getvalue()))
+    if len(set(crcs)) > 1:
+        raise RuntimeError(f"distributed invariant broken: run.state must be the same on every rank (one copy is "
+                           f"saved); its CRC32 by rank: {crcs}. Keep per-rank values out of it, or reduce them first")
+    if rank == 0:
+        with open(path, "wb") as f:
+            f.write(buf.getvalue())
+
+
+def run_state(ckpt, step):
+    """-> (run.state, the update phases run) of `ckpt` ({} and 0 without one). An older checkpoint without them: {}
+    and `step` (one update a step)."""
+    if not ckpt:
+        return {}, 0
+    path = os.path.join(ckpt, STATE_PT)
+    with open(os.path.join(ckpt, STATE)) as f:
+        updates = json.load(f).get("updates", step)
+    return (safe_load(path) if os.path.exists(path) else {}), updates
 
 
 # ----------------------------------------------------------------------------- the reference's own state

@@ -113,6 +113,13 @@ def build_parser():
     g.add_argument("--ref_ema", type=float, default=0.0,
                    help="an EMA reference, ref = this x ref + (1 - this) x policy after each update; 0: the reference "
                         "stays the initial model")
+    g.add_argument("--ref_reset_steps", type=int, default=0,
+                   help="every this many steps the reference becomes the current policy (ProRL); 0: never")
+    g.add_argument("--kl_target", type=float, default=0.0,
+                   help="adaptive KL (Ziegler et al. 2019): beta follows train/kl towards this target, starting at "
+                        "--beta (train/beta); 0: beta stays --beta")
+    g.add_argument("--kl_horizon", type=int, default=10000,
+                   help="--kl_target's horizon: beta moves by at most 0.2 x completions / this a step")
     g.add_argument("--kl_in_reward", action="store_true",
                    help="the KL penalty comes off each completion's reward instead of being a loss term (REINFORCE++, "
                         "PPO's RLHF set-up; reward/kl_penalty)")
@@ -158,6 +165,9 @@ def build_parser():
     g.add_argument("--max_num_gen_batches", type=int, default=4,
                    help="dynamic sampling: at most this many rollout rounds per step; a shortfall is filled with "
                         "zero-spread groups")
+    g.add_argument("--curriculum", default="none", choices=["none", "pass_rate"],
+                   help="pass_rate: three in four prompts whose pass rate so far is 0 or 1 are passed over "
+                        "(data/passed_over); none: every prompt in turn")
     g.add_argument("--tools", nargs="*", default=[], choices=sorted(toolbox.TOOLS),
                    help="tools the policy may call, several turns a trajectory (toolbox.py: crop zooms into the "
                         "original image); off: one turn")
@@ -353,15 +363,17 @@ CHANGES_THE_STATE = {
                      "lora_target_modules", "lora_vision", "freeze_vision_tower", "freeze_projector"), MODEL),
     **dict.fromkeys(("train_data", "tiny_task", "columns", "image_root", "seed", "system_prompt", "question_template",
                      "max_prompt_length", "limit_images", "min_pixels", "max_pixels", "limit_videos", "video_fps",
-                     "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels"), DATA),
+                     "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels", "curriculum"),
+                   DATA),
     **dict.fromkeys(("num_generations", "rollout_batch_size"), GROUP),
     **dict.fromkeys(("num_iterations", "beta", "kl_in_reward", "epsilon", "epsilon_high", "entropy_coef",
                      "router_aux_loss_coef", "routing_replay", "loss_agg", "advantage_estimator", "scale_rewards",
                      "importance_sampling_level", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
                      "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature",
                      "top_p", "top_k", "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k",
-                     "ref_ema", "sft_coef", "loss_type", "plugins", "judge_model", "judge_template", "judge_parser",
-                     "judge_images", "teacher_model", "teacher_coef", "reward_model"), OBJECTIVE),
+                     "ref_ema", "ref_reset_steps", "kl_target", "kl_horizon", "sft_coef", "loss_type", "plugins",
+                     "judge_model", "judge_template", "judge_parser", "judge_images", "teacher_model", "teacher_coef",
+                     "reward_model"), OBJECTIVE),
 }
 STEERS = {
     "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
@@ -398,6 +410,9 @@ def changed_flags(saved, now, saved_world, world, accept=None, name="the checkpo
     for flag in sorted(set(saved) & set(now) - NOT_COMPARED):
         old, new = saved[flag], now[flag]
         if old == new or (flag in later and flag not in given):
+            continue
+        if flag == "beta" and now.get("kl_target") and saved.get("kl_target"):
+            said.append(f"[resume] --beta {old} -> {new}: --kl_target's beta goes on from the checkpoint's")
             continue
         line = f"--{flag} {_shown(old)} -> {_shown(new)}"
         if flag in CHANGES_THE_STATE and flag not in (accept or ()):
@@ -563,6 +578,8 @@ def inert_flags(args):
     if args.reward_model and not any(reward.asks_for_model(n) for n in args.reward_funcs):
         notes.append(f"--reward_model is loaded but no reward in --reward_funcs {' '.join(args.reward_funcs)} asks for "
                      f"it (a `scorer` parameter)")
+    if "kl_horizon" in given and not args.kl_target:
+        notes.append("--kl_horizon acts only with --kl_target (the adaptive KL coefficient)")
     options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
     for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
         readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
@@ -609,6 +626,16 @@ def check_args(args, world, local=None, cuda=None):
     need(0 <= args.ref_ema < 1 and (not args.ref_ema or (args.beta > 0 and not args.use_peft)),
          f"--ref_ema {args.ref_ema}: a decay in [0, 1), with --beta > 0 (a reference model to move) and without "
          f"--use_peft (LoRA's reference is the policy with its adapter off)")
+    need(args.ref_reset_steps >= 0 and (not args.ref_reset_steps or (args.beta > 0 and not args.use_peft)),
+         f"--ref_reset_steps {args.ref_reset_steps}: steps >= 0, with --beta > 0 (a reference model to reset) and "
+         f"without --use_peft (LoRA's reference is the policy with its adapter off)")
+    n = args.rollout_batch_size * args.num_generations
+    need(args.kl_target >= 0 and (not args.kl_target or (args.beta > 0 and not args.kl_in_reward)),
+         f"--kl_target {args.kl_target}: a KL >= 0, with --beta > 0 (its starting value) and without --kl_in_reward "
+         f"(the controller reads train/kl, the loss's KL)")
+    need(not args.kl_target or args.kl_horizon > 0.2 * n,
+         f"--kl_horizon {args.kl_horizon}: beta x= 1 - 0.2 x {n} completions / horizon at worst, so the horizon must "
+         f"exceed {0.2 * n:g} to keep beta > 0")
     need(args.temperature > 0 and (args.temperature_end is None or args.temperature_end > 0),
          f"--temperature {args.temperature} / --temperature_end {args.temperature_end}: the log-probs divide by it, "
          f"so > 0")

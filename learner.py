@@ -1,8 +1,8 @@
 """The update phase: the RL loss of each micro-batch, losses from other forwards in the same optimizer step
-(--sft_coef), the optimizer steps, a reference that moves (--ref_ema), and the log-probs they read. train.py's step
-calls old_ref_logps and update; its micro-batches (train.micro_batches) are a layout over the completions' records,
-and every value read or written lives on a record. Every rank makes the same forwards (in_step), since under ZeRO-3
-each forward and each lm_head call gathers parameters.
+(--sft_coef), the optimizer steps, a reference that moves (--ref_ema, --ref_reset_steps), and the log-probs they
+read. train.py's step calls old_ref_logps and update; its micro-batches (train.micro_batches) are a layout over the
+completions' records, and every value read or written lives on a record. Every rank makes the same forwards
+(in_step), since under ZeRO-3 each forward and each lm_head call gathers parameters.
 """
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ def update(run, batches, m, extra=()):
     update's stats: weighted means over the whole batch and all ranks, and the loss, grad norm and learning rate."""
     args, engine = run.args, run.engine
     norm = loss_norm(run, batches)
-    beta = 0.0 if args.kl_in_reward else args.beta   # --kl_in_reward: the KL is in the advantages already
+    beta = 0.0 if args.kl_in_reward else kl_beta(run)   # --kl_in_reward: the KL is in the advantages already
     engine.train()
     loss_sum, lrs = 0.0, []
     for it in range(args.num_iterations):
@@ -96,7 +96,13 @@ def update(run, batches, m, extra=()):
             loss_sum += loss.item() / (run.gas * args.num_iterations)   # micro-batch losses / gas, summed
     grad_norm = engine.get_global_grad_norm()
     return {**m.means(), "train/loss": loss_sum, "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            "train/lr": lrs[-1], **expert_shares(m.loads)}
+            "train/lr": lrs[-1], **expert_shares(m.loads), **({"train/beta": beta} if args.kl_target else {})}
+
+
+def kl_beta(run):
+    """The KL coefficient of this step: --kl_target's controller's (run.state["beta"], from --beta at the start) or
+    --beta."""
+    return run.state.get("beta", run.args.beta) if run.args.kl_target else run.args.beta
 
 
 def loss_norm(run, batches):
@@ -213,23 +219,25 @@ def gold_batches(run, groups):
 
 
 # ----------------------------------------------------------------------------- after the update
-def reference_step(run):
+def reference_step(run, step):
     """--ref_ema: ref = decay x ref + (1 - decay) x policy, in fp32 masters beside a bf16 reference, which would
-    round the small steps away."""
-    if not run.args.ref_ema:
+    round the small steps away. --ref_reset_steps N: at every N-th step the reference becomes the policy (ProRL)."""
+    args = run.args
+    reset = args.ref_reset_steps and step % args.ref_reset_steps == 0
+    if not (args.ref_ema or reset):
         return
-    decay = run.args.ref_ema
+    decay = args.ref_ema
     policy = dict(run.engine.module.named_parameters())
     named = list(run.ref_engine.module.named_parameters())
     masters = run.ref_masters or [None] * len(named)
 
-    def ema(r, p, master=None):
+    def move(r, p, master=None):
         if master is None:
-            r.lerp_(p.to(r.dtype), 1 - decay)
+            r.copy_(p.to(r.dtype)) if reset else r.lerp_(p.to(r.dtype), 1 - decay)
         else:
-            r.copy_(master.lerp_(p.float(), 1 - decay))
+            r.copy_(master.copy_(p.float()) if reset else master.lerp_(p.float(), 1 - decay))
     model.update_params([p for _, p in named], [[policy[n]] + ([mm] if mm is not None else []) for (n, _), mm in
-                                                 zip(named, masters)], ema)
+                                                 zip(named, masters)], move)
 
 
 # ----------------------------------------------------------------------------- what the phases share

@@ -73,6 +73,10 @@ class Run:
     judge_silent: int = 0            # steps in a row in which the judge gave no score (train.judge_gave_up)
     teacher_engine: object = None    # --teacher_model: a frozen engine whose log-probs are a per-token advantage
     reward_engine: object = None     # --reward_model: a frozen engine that rewards may ask (reward.Scorer)
+    passed_over: int = 0             # --curriculum: prompts passed over since the last log (data/passed_over)
+    # a fork's own state, the same on every rank: JSON-able values and tensors, saved with each checkpoint and
+    # resumed (--kl_target's beta, --curriculum's counts; docs/resilience.md)
+    state: dict = dataclasses.field(default_factory=dict)
 
     @property
     def master(self):
@@ -84,8 +88,9 @@ class Run:
 
     @property
     def moving_reference(self):
-        """(reference engine, fp32 masters or None) when --ref_ema moves the reference, else None."""
-        return (self.ref_engine, self.ref_masters) if self.args.ref_ema else None
+        """(reference engine, fp32 masters or None) when --ref_ema or --ref_reset_steps moves the reference, else
+        None: a moved reference is saved and resumed with each checkpoint."""
+        return (self.ref_engine, self.ref_masters) if self.args.ref_ema or self.args.ref_reset_steps else None
 
 
 def sampling_of(args, banned):
@@ -123,9 +128,10 @@ def setup(args):
               tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload_types(args, rank),
               hf_ds_config=dschf, aux_loss_coef=aux_loss_coef, ref_masters=fp32_masters(ref_engine, args),
               teacher_engine=teacher_engine, reward_engine=reward_engine)
-    # resume: weights, optimizer, scheduler, step, data position, RNG (and a moving reference's own state); then
-    # metrics.jsonl and wandb, continued
+    # resume: weights, optimizer, scheduler, step, data position, RNG (and a moving reference's own state), run.state;
+    # then metrics.jsonl and wandb, continued
     ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from, run.moving_reference)
+    run.state, run.updates = checkpoint.run_state(ckpt, run.start)   # run.state and the updates run so far
     logs.open_logs(run, resumed=bool(ckpt))
     if run.master:
         print(f"[setup] {world} ranks, {run.per_rank} prompts x {args.num_generations} generations per rank, "

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # this venv's own JIT ops
 import numpy as np
@@ -152,7 +153,7 @@ def train_step(run, step, m):
     advantages(run, groups, m)
     with memory.phase("update", m):
         stats = learner.update(run, batches, m, extra=learner.sft_losses(run, groups))   # --sft_coef: another forward
-        learner.reference_step(run)                     # --ref_ema: the reference follows the policy
+        learner.reference_step(run, step)               # --ref_ema, --ref_reset_steps: the reference moves
     run.updates += 1
     return groups, stats
 
@@ -177,6 +178,7 @@ def main(argv=None):
             groups, stats = train_step(run, step, m)
             m["time/step"] = ranks.Max(time.perf_counter() - t_step)
             log_step(run, step, m, groups, stats)
+            after_step(run, step, m)                    # the hook: m reduced over ranks; --kl_target's controller
             if run.master:
                 bar.set_postfix_str(step_line(m))
             if why := judge_gave_up(run, step, m, last=step == args.max_steps):   # no scores: stop, saved
@@ -205,16 +207,21 @@ def main(argv=None):
 # ----------------------------------------------------------------------------- the step's phases, in its order
 def select_prompts(run, step):
     """The hook before the rollout: this rank's run.per_rank prompts for the step. A curriculum goes here;
-    run.stream.history maps a sample's stable id to its group's last rewards, on any rank. Skipping the prompts
-    the policy already solves, for example:
+    run.stream.history maps a sample's stable id to its group's last rewards, on any rank, and run.state keeps a
+    curriculum's own counts (--curriculum pass_rate's). Skipping solved prompts until as many were skipped as there
+    are rows (then a stream all solved still gives its prompts), for example:
 
-        out = []
+        out, skipped = [], 0
         while len(out) < run.per_rank:
             s = run.stream.next(1)[0]
-            if min(run.stream.history.get(s["id"], [0.0])) < 1.0:
+            if min(run.stream.history.get(s["id"], [0.0])) < 1.0 or skipped >= len(run.stream.rows):
                 out.append(s)
+            else:
+                skipped += 1
         return out
     """
+    if run.args.curriculum == "pass_rate":
+        return pass_rate_prompts(run, step)
     return run.stream.next(run.per_rank)
 
 
@@ -432,6 +439,11 @@ def score(run, groups):
     everyone = [None] * run.world
     dist.all_gather_object(everyone, [(g.sample.get("id"), g.totals) for g in groups])
     run.stream.history.update((i, r) for part in everyone for i, r in part if i is not None)
+    if args.curriculum == "pass_rate":   # {id: [completions that passed, completions]}, from every rank's groups
+        counts = run.state.setdefault("pass_rate", {})
+        for i, totals in (x for part in everyone for x in part if x[0] is not None):
+            passed, tries = counts.get(i, (0, 0))
+            counts[i] = [passed + sum(t >= PASS for t in totals), tries + len(totals)]
 
 
 def reward_inputs(run, samples, comps):
@@ -463,7 +475,7 @@ def advantages(run, groups, m):
     args, comps = run.args, [c for g in groups for c in g.completions]
     if args.kl_in_reward:
         for c in comps:
-            c.kl_penalty = args.beta * (c.old_logps - c.ref_logps).sum().item()
+            c.kl_penalty = learner.kl_beta(run) * (c.old_logps - c.ref_logps).sum().item()
         m["reward/kl_penalty"] = ranks.Mean(np.mean([c.kl_penalty for c in comps]), len(comps))
     if args.advantage_estimator == "process":
         events = [c.events + ([(len(c.token_ids) - 1, -c.kl_penalty)] if c.kl_penalty else []) if c.scored else None
@@ -505,6 +517,8 @@ def log_step(run, step, m, groups, stats):
               "completion/truncated": ranks.Mean(np.mean([c.finish_reason == "length" for c in comps]), len(comps)),
               "data/skipped": ranks.Sum(run.stream.skipped), "data/empty_images": ranks.Sum(run.stream.empty_images),
               **stats})
+    if args.curriculum != "none":   # the prompts it passed over this step
+        m["data/passed_over"], run.passed_over = ranks.Sum(run.passed_over), 0
     for name in args.reward_funcs:
         ok = [c.rewards[name] for c in comps if not c.failed[name]]
         m[f"reward/{name}"] = ranks.Mean(np.mean(ok) if ok else 0.0, len(ok))
@@ -520,6 +534,16 @@ def log_step(run, step, m, groups, stats):
     ranks.reduce_metrics(m, run.device)
     logs.write_metrics(run, m, step)
     logs.log_completions(run, groups, step)
+
+
+def after_step(run, step, m):
+    """The hook after each step's log: m, reduced over ranks, is the same on every rank, and a controller's state goes
+    in run.state (checkpointed). --kl_target: Ziegler et al. 2019's adaptive beta (arXiv 1909.08593)."""
+    args = run.args
+    if args.kl_target:   # n: the step's completions over all ranks, the samples TRL's AdaptiveKLController counts
+        error = min(max(m["train/kl"] / args.kl_target - 1, -0.2), 0.2)
+        n = args.rollout_batch_size * args.num_generations
+        run.state["beta"] = learner.kl_beta(run) * (1 + error * n / args.kl_horizon)
 
 
 def step_line(m):
@@ -565,7 +589,8 @@ def validate(run, step, m):
 
 
 def save(run, step):
-    checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank, run.moving_reference)
+    checkpoint.save_checkpoint(run.engine, run.args, step, run.stream, run.wandb.id, run.rank, run.moving_reference,
+                               state=run.state, updates=run.updates)
 
 
 def finish(run, export=True):
@@ -588,6 +613,27 @@ def temperature_at(args, step):
     if args.temperature_end is None:
         return args.temperature
     return args.temperature + (args.temperature_end - args.temperature) * (step - 1) / max(1, args.max_steps - 1)
+
+
+# The pass-rate curriculum (--curriculum pass_rate)
+PASS = 1.0   # a completion passes when its total reward reaches this (accuracy's score of a right answer)
+
+
+def pass_rate_prompts(run, step):
+    """run.per_rank prompts; three in four with a pass rate of 0 or 1 so far are passed over, at most 3 x
+    run.per_rank a call."""
+    counts, out, passed_over = run.state.get("pass_rate", {}), [], 0
+    while len(out) < run.per_rank:
+        s = run.stream.next(1)[0]
+        passed, tries = counts.get(s["id"], (0, 0))
+        # which three in four: a hash of the seed, step and id, the same after a resume
+        settled = tries and passed in (0, tries) and zlib.crc32(f"{run.args.seed} {step} {s['id']}".encode()) % 4
+        if settled and passed_over < 3 * run.per_rank:
+            passed_over += 1
+        else:
+            out.append(s)
+    run.passed_over += passed_over
+    return out
 
 
 # Tools (--tools)

@@ -451,3 +451,33 @@ def test_a_failed_conversion_stops_every_rank_with_its_log(world1, tmp_path, mon
     assert "conversion of" in str(stop.value) and "failed (exit 3)" in str(stop.value)
     assert "NotImplementedError: cannot convert this" in str(stop.value)
     assert "Launch the number of ranks that saved it" in str(stop.value) and not (tmp_path / "universal").exists()
+
+
+# ----------------------------------------------------------------------------- a fork's own state
+def test_run_state_and_the_updates_are_saved_with_each_checkpoint_and_resumed(world1, tmp_path, monkeypatch):
+    """run.state (plain data and tensors) goes to state.pt, listed in the manifest, and the update count to
+    trainer_state.json; run_state gives both back (run.updates restarted at 0 on resume before). A checkpoint saved
+    without them resumes with {} and one update a step. A state that differs between ranks is refused by name."""
+    engine, args = engine_of("--output_dir", str(tmp_path))
+    state = {"beta": 0.05, "pass_rate": {"sha1:ab": [1, 4], 7: [0, 4]}, "t": torch.arange(3.0)}
+    ckpt = checkpoint.save_checkpoint(engine, args, 3, Stream(), "id", 0, state=state, updates=5)
+    assert "state.pt" in json.load(open(os.path.join(ckpt, "trainer_state.json")))["files"]
+    got, updates = checkpoint.run_state(ckpt, 3)
+    assert updates == 5 and got["beta"] == 0.05 and got["pass_rate"] == state["pass_rate"]
+    assert torch.equal(got["t"], state["t"])
+    old = checkpoint.save_checkpoint(engine, args, 4, Stream(), "id", 0)
+    assert checkpoint.run_state(old, 4) == ({}, 4) and checkpoint.run_state(None, 0) == ({}, 0)
+    monkeypatch.setattr(checkpoint, "_from_everyone", lambda obj: [obj, obj + 1])   # rank 1's state differs
+    with pytest.raises(RuntimeError, match="run.state must be the same on every rank"):
+        checkpoint.save_state(state, str(tmp_path / "state.pt"), 0)
+
+
+def test_a_relaunch_may_change_beta_while_the_kl_controller_owns_it():
+    """--kl_target: the live beta is in run.state and resumes from the checkpoint, so a relaunch's other --beta (its
+    starting value) is said and not refused; without the controller it changes the loss and is refused."""
+    saved = vars(flags.parse_args(["--beta", "0.04", "--kl_target", "0.01"]))
+    said, refusal = flags.changed_flags(saved, {**saved, "beta": 0.08}, 1, 1)
+    assert refusal is None and said == ["[resume] --beta 0.04 -> 0.08: --kl_target's beta goes on from the "
+                                        "checkpoint's"]
+    plain = vars(flags.parse_args(["--beta", "0.04"]))
+    assert "--beta 0.04 -> 0.08" in flags.changed_flags(plain, {**plain, "beta": 0.08}, 1, 1)[1]

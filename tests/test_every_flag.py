@@ -59,6 +59,15 @@ ACTS = {
     "--top_k": "tests/test_step.py::test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record",
     "--beta": "tests/test_step.py::test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages",
     "--ref_ema": "tests/test_hooks.py::test_the_paper_changes_run_and_resume_exactly",
+    "--ref_reset_steps": [
+        "tests/test_hooks.py::test_a_reference_reset_makes_the_reference_the_policy_every_n_steps",
+        "tests/test_hooks.py::test_a_forks_state_resumes_exactly_kl_controller_reference_resets_curriculum_and_updates",
+    ],   # the reset, and the reset reference resumed
+    "--kl_target": [
+        "tests/test_hooks.py::test_the_kl_controller_moves_beta_by_zieglers_rule_and_the_loss_uses_it",
+        "tests/test_hooks.py::test_a_forks_state_resumes_exactly_kl_controller_reference_resets_curriculum_and_updates",
+    ],   # beta in the loss, and resumed
+    "--kl_horizon": "tests/test_hooks.py::test_the_kl_controller_moves_beta_by_zieglers_rule_and_the_loss_uses_it",
     "--kl_in_reward": "tests/test_step.py::test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages",
     "--epsilon": "tests/test_flags_act.py::test_epsilon_clips_the_ratio",
     "--entropy_coef": "tests/test_step.py::test_each_loss_flag_changes_the_update",
@@ -81,6 +90,10 @@ ACTS = {
     "--vllm_importance_sampling_cap": "tests/test_step.py::test_each_loss_flag_changes_the_update",
     "--dynamic_sampling": "tests/test_step.py::test_dynamic_sampling_replaces_zero_spread_groups",
     "--max_num_gen_batches": "tests/test_step.py::test_dynamic_sampling_replaces_zero_spread_groups",
+    "--curriculum": [
+        "tests/test_hooks.py::test_the_pass_rate_curriculum_draws_the_prompts_still_being_learned_more_often",
+        "tests/test_hooks.py::test_a_forks_state_resumes_exactly_kl_controller_reference_resets_curriculum_and_updates",
+    ],   # the prompts drawn, and the same after a resume
     "--tools": "tests/test_tools.py::test_two_ranks_whose_trajectories_take_different_turns_stay_in_step",
     "--max_turns": "tests/test_flags_act.py::test_max_turns_ends_a_trajectory_that_keeps_calling",
     "--reward_funcs": "tests/test_step.py::test_score_fills_rewards_and_failure_flags_per_group",

@@ -346,3 +346,138 @@ def test_the_plan_counts_the_ema_references_fp32_masters():
     gpu = planner.plan(train.parse_args(base + ["--ref_ema", "0.99"]), cluster, s)["phases"]["update"]["gpu"]
     assert gpu[key] == pytest.approx(s["n"] * 4 / 8)
     assert key not in planner.plan(train.parse_args(base), cluster, s)["phases"]["update"]["gpu"]
+
+
+# ----------------------------------------------------------------------------- a fork's own state, after the step
+def kl_step(parts, tmp_path, state=None, **flags):
+    """One update with beta > 0 (and run.state `state`), a reference that prefers red -> its stats."""
+    from test_step import FakeEngine
+    tok = parts[0].tokenizer
+    run, samples = make_run(parts, tmp_path, **{"beta": 0.1, **flags})
+    run.state.update(state or {})
+    run.ref_engine = FakeEngine(len(tok), 1)
+    run.ref_engine.module.w.data[tok.convert_tokens_to_ids("red")] = 2.0
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    batches = train.micro_batches(run, groups)
+    learner.old_ref_logps(run, batches)
+    train.advantages(run, groups, train.Metrics())
+    return learner.update(run, batches, train.Metrics())
+
+
+def test_the_kl_controller_moves_beta_by_zieglers_rule_and_the_loss_uses_it(parts, tmp_path):
+    """--kl_target 0.01 --kl_horizon 32 (16 completions a step): after_step reads the step's reduced train/kl and
+    multiplies beta by 1 + clip(kl / target - 1, -0.2, 0.2) x 16 / 32 (Ziegler et al. 2019), starting from --beta,
+    in run.state. The update's loss uses that beta, logged as train/beta: its loss is the loss of a run whose --beta
+    is that value. Without --kl_target beta stays --beta and nothing is logged."""
+    run, _ = make_run(parts, tmp_path / "c", beta=0.1, kl_target=0.01, kl_horizon=32)
+    train.after_step(run, 1, {"train/kl": 0.0})                   # error -1, clipped to -0.2
+    assert run.state["beta"] == pytest.approx(0.1 * (1 - 0.2 * 16 / 32))
+    train.after_step(run, 2, {"train/kl": 0.0105})                # error 0.05
+    assert run.state["beta"] == pytest.approx(0.1 * 0.9 * (1 + 0.05 * 16 / 32))
+    beta = run.state["beta"]
+    on = kl_step(parts, tmp_path / "on", state=run.state, kl_target=0.01, kl_horizon=32)
+    same = kl_step(parts, tmp_path / "same", beta=beta)
+    off = kl_step(parts, tmp_path / "off")
+    assert on["train/beta"] == beta and on["train/kl"] > 0
+    assert on["train/loss"] == same["train/loss"] != off["train/loss"] and "train/beta" not in off
+    run, _ = make_run(parts, tmp_path / "none", beta=0.1)
+    train.after_step(run, 1, {"train/kl": 0.0})
+    assert run.state == {} and learner.kl_beta(run) == 0.1
+    with pytest.raises(SystemExit, match="--kl_target 0.1: a KL >= 0, with --beta > 0"):
+        train.check_args(train.parse_args(["--kl_target", "0.1", "--beta", "0"]), 1)
+    with pytest.raises(SystemExit, match="--kl_horizon 10: beta x= 1 - 0.2 x 64 completions"):
+        train.check_args(train.parse_args(["--kl_target", "0.1", "--kl_horizon", "10", "--beta", "0.04",
+                                           "--rollout_batch_size", "4", "--num_generations", "16"]), 1)
+
+
+def test_the_pass_rate_curriculum_draws_the_prompts_still_being_learned_more_often(parts, tmp_path):
+    """--curriculum pass_rate: score counts each prompt's passing completions (total >= 1) over every rank's groups
+    into run.state; select_prompts then passes over three in four of the prompts whose pass rate is 0 or 1, so that
+    one still being learned (or not yet seen) comes about four times as often; with every prompt settled it still
+    gives its prompts, passing over at most 3 x per_rank a call."""
+    from test_step import FakeStream
+    run, samples = make_run(parts, tmp_path, curriculum="pass_rate")
+    run.stream = FakeStream(samples)
+    groups = train.rollout_groups(run, train.select_prompts(run, step=1), step=1)
+    train.score(run, groups)
+    assert run.state["pass_rate"] == {g.sample["id"]: [sum(t >= 1 for t in g.totals), G] for g in groups}
+    ids = [s["id"] for s in samples]
+    run.state["pass_rate"] = {ids[0]: [4, 4], ids[1]: [0, 4], ids[2]: [2, 4]}   # ids[3]: not seen yet
+    seen = {i: 0 for i in ids}
+    for step in range(2, 202):
+        for s in train.select_prompts(run, step):
+            seen[s["id"]] += 1
+    print(seen)
+    assert min(seen[ids[2]], seen[ids[3]]) > 3 * max(seen[ids[0]], seen[ids[1]]) > 0 and run.passed_over > 0
+    run.state["pass_rate"], run.passed_over = {i: [0, 4] for i in ids}, 0
+    assert len(train.select_prompts(run, 3)) == run.per_rank and 0 < run.passed_over <= 3 * run.per_rank
+    plain, _ = make_run(parts, tmp_path / "off")
+    plain.stream = FakeStream(samples)
+    assert [s["id"] for s in train.select_prompts(plain, 1)] == ids and plain.state == {}
+
+
+def test_a_reference_reset_makes_the_reference_the_policy_every_n_steps(parts, tmp_path):
+    """--ref_reset_steps 2 (ProRL): at steps 2 and 4 the reference becomes the policy exactly, at step 3 it stays;
+    the moving reference then goes into each checkpoint (run.moving_reference, which only --ref_ema set before, so a
+    reset reference was lost at a resume)."""
+    from test_step import FakeEngine
+    run, _ = make_run(parts, tmp_path, beta=0.1, ref_reset_steps=2)
+    run.ref_engine = FakeEngine(8, 1)
+    run.engine.module.w = torch.nn.Parameter(torch.arange(8.0))
+    seen = []
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            run.engine.module.w.add_(1.0)
+        learner.reference_step(run, step)
+        seen.append(torch.equal(run.ref_engine.module.w, run.engine.module.w))
+    assert seen == [False, True, False, True]
+    assert run.moving_reference == (run.ref_engine, None)
+    assert make_run(parts, tmp_path / "off", beta=0.1)[0].moving_reference is None
+    with pytest.raises(SystemExit, match="--ref_reset_steps 2: steps >= 0, with --beta > 0"):
+        train.check_args(train.parse_args(["--ref_reset_steps", "2", "--beta", "0"]), 1)
+
+
+@pytest.mark.launch
+def test_a_forks_state_resumes_exactly_kl_controller_reference_resets_curriculum_and_updates(tmp_path, tiny_default):
+    """Two ranks, --kl_target (beta in run.state), --ref_reset_steps 2, --curriculum pass_rate on 12 rows (each prompt
+    comes back every step), 4 steps, checkpoints 2 and 4. The folder without checkpoint-4, relaunched with another
+    --beta (said, not refused: the controller's beta resumes), trains steps 3 and 4 bitwise as the unbroken run: the
+    same beta, the same prompts (the same passed over), the same KL to the reference reset at step 2 (0 at step 3:
+    lost at a resume before, when only --ref_ema saved the reference), and checkpoint-4 holds the same run.state and
+    4 updates (0 restarted at a resume before)."""
+    import json
+    import shutil
+
+    from test_resume import SAME
+
+    import checkpoint
+    from conftest import FAST, launch
+    small = tmp_path / "train.jsonl"
+    small.write_text("".join(open(tiny_default[1]).readlines()[:12]))
+    flags = [*FAST, "--kl_target", "0.001", "--kl_horizon", "64", "--ref_reset_steps", "2", "--curriculum",
+             "pass_rate", "--train_data", str(small), "--image_root", os.path.dirname(tiny_default[1]),
+             "--max_steps", "4", "--save_steps", "2", "--val_freq", "0", "--no-save_final_model"]
+    whole, _ = launch(tmp_path / "whole", *flags)
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-4",
+                                                                                             ".owner.json"))
+    resumed, log = launch(tmp_path / "resumed", *flags, "--beta", "0.08")
+    assert "[resume] --beta 0.04 -> 0.08: --kl_target's beta goes on from the checkpoint's" in log, log[-3000:]
+    steps = lambda rows: [r for r in rows if "reward/mean" in r and r["step"] > 2]   # noqa: E731
+    assert len(steps(whole)) == len(steps(resumed)) == 2
+    for a, b in zip(steps(whole), steps(resumed)):
+        for k in (*SAME, "train/beta", "data/passed_over"):
+            assert a.get(k) == b.get(k), (a["step"], k, a.get(k), b.get(k))
+    betas = [r["train/beta"] for r in whole if "train/beta" in r]
+    assert betas[0] == 0.04 and len(set(betas)) == 4                      # the controller moved it every step
+    assert steps(whole)[0]["train/kl"] == 0.0 < steps(whole)[1]["train/kl"]   # step 3: the reference reset at 2
+    assert sum(r["data/passed_over"] for r in whole if "data/passed_over" in r) > 0
+    for run in ("whole", "resumed"):
+        ckpt = tmp_path / run / "checkpoint-4"
+        assert json.load(open(ckpt / "trainer_state.json"))["updates"] == 4, run
+    a, b = (torch.load(tmp_path / run / "checkpoint-4" / "state.pt", weights_only=True) for run in ("whole", "resumed"))
+    assert a == b and set(a) == {"beta", "pass_rate"} and a["beta"] != 0.04
+    for r in (0, 1):   # the same data position and rewards history
+        a, b = (checkpoint.rank_state(str(tmp_path / run / "checkpoint-4"), r)["stream"]
+                for run in ("whole", "resumed"))
+        assert a == b

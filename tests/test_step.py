@@ -560,7 +560,7 @@ def test_top_k_and_top_p_reach_vllm_and_the_trainer_as_one_record(parts, tmp_pat
 
 def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypatch):
     """score keeps each sample's last rewards by its stable id (its row in the data); select_prompts' docstring's
-    curriculum, pasted into select_prompts, then rolls out only the prompts not yet solved."""
+    curriculum, run as select_prompts, then rolls out only the prompts not yet solved."""
     run, samples = make_run(parts, tmp_path)
     assert len({s["id"] for s in samples}) == 4              # data.Rows: each sample's stable identity
     run.stream = FakeStream(samples)
@@ -570,16 +570,35 @@ def test_a_curriculum_is_a_few_lines_in_select_prompts(parts, tmp_path, monkeypa
     solved = {samples[0]["id"], samples[2]["id"]}
     run.stream.history.update({i: [1.0] * G for i in solved})   # as if every generation had been right
 
-    def curriculum(run, step):   # train.select_prompts' docstring (README: "A paper change in one place")
-        out = []
-        while len(out) < run.per_rank:
-            s = run.stream.next(1)[0]
-            if min(run.stream.history.get(s["id"], [0.0])) < 1.0:
-                out.append(s)
-        return out
-    monkeypatch.setattr(train, "select_prompts", curriculum)
+    run.stream.rows = samples
+    monkeypatch.setattr(train, "select_prompts", docstring_curriculum())
     picked = train.select_prompts(run, step=2)
     assert len(picked) == run.per_rank and not {s["id"] for s in picked} & solved
+
+
+def docstring_curriculum():
+    """train.select_prompts' docstring's example (README: "A paper change in one place"), as a function."""
+    code = [line[8:] for line in train.select_prompts.__doc__.splitlines() if line.startswith(" " * 8)]
+    scope = {}
+    exec("def curriculum(run, step):\n" + "\n".join("    " + line for line in code), scope)
+    return scope["curriculum"]
+
+
+def test_the_docstrings_curriculum_returns_when_every_prompt_is_solved(parts, tmp_path):
+    """A stream whose prompts are all solved: the docstring's curriculum looped forever. Now it skips as many as
+    there are rows, then takes the prompts as they come."""
+    run, samples = make_run(parts, tmp_path)
+
+    class Solved(FakeStream):
+        rows = samples
+
+        def next(self, n):
+            assert self.cursor < 100 * len(samples), "the curriculum draws without end"
+            return super().next(n)
+    run.stream = Solved(samples)
+    run.stream.history = {s["id"]: [1.0] * G for s in samples}
+    picked = docstring_curriculum()(run, step=1)
+    assert len(picked) == run.per_rank and run.stream.cursor == len(samples) + run.per_rank
 
 
 # ----------------------------------------------------------------------------- logging, validation, checkpoint
@@ -658,10 +677,12 @@ def test_validation_offloads_like_a_rollout_and_a_sync_waits_for_an_optimizer_st
 
 def test_save_commits_a_complete_checkpoint(parts, tmp_path):
     run, _ = make_run(parts, tmp_path, save_total_limit=2)
+    run.state["beta"], run.updates = 0.05, 4
     train.save(run, 4)
     ckpt = tmp_path / "checkpoint-4"
-    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "trainer_state.json", "zero"]
+    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "state.pt", "trainer_state.json", "zero"]
     assert json.load(open(ckpt / "trainer_state.json"))["step"] == 4 and not (tmp_path / "checkpoint-4.tmp").exists()
+    assert train.checkpoint.run_state(str(ckpt), 4) == ({"beta": 0.05}, 4)   # run.state, run.updates
     assert train.checkpoint.list_checkpoints(str(tmp_path)) == [str(ckpt)]
 
 
