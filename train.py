@@ -642,10 +642,10 @@ def trajectories(run, samples, step, round=0, greedy=False):
     args = run.args
     sampling = dataclasses.replace(run.sampling, temperature=0.0) if greedy else run.sampling
 
-    def generate(requests, keys, budgets, stops, n):   # n > 1: vLLM seeds the k-th of them with seed + k
+    def generate(requests, keys, budgets, stops, counts):   # n > 1: vLLM seeds the k-th of them with seed + k
         sps = [rollout.sampling_params(sampling, n=n, max_tokens=b, logprobs=0, stop_token_ids=stop,
                                        seed=hash((args.seed, step, run.rank, round) + key) % 2 ** 31)
-               for key, b, stop in zip(keys, budgets, stops)]
+               for key, b, stop, n in zip(keys, budgets, stops, counts)]
         return run_vllm(run, requests, sps)
 
     def any_live(count):   # every rank takes as many turns as the busiest (a TP group generates together)

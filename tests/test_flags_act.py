@@ -168,10 +168,10 @@ def test_max_turns_ends_a_trajectory_that_keeps_calling():
     ids = processor.tokenizer(tiny.zoom_call(s["images"][0].width), add_special_tokens=False)["input_ids"]
     assert ids[-1] == processor.tokenizer.convert_tokens_to_ids("</tool_call>")
 
-    def generate(requests, keys, budgets, stops, n):
+    def generate(requests, keys, budgets, stops, counts):
         out = types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
                                     finish_reason="stop")
-        return [types.SimpleNamespace(outputs=[out] * n) for _ in requests]
+        return [types.SimpleNamespace(outputs=[out] * n) for n in counts]
     for argv in ([], ["--max_turns", "3"]):   # the zoom task's own: 2
         args = train.parse_args(["--tiny_task", "zoom", "--max_completion_length", "200", *argv])
         (trajs,) = toolbox.rollout([s], 2, processor, args, generate, lambda count: count > 0)

