@@ -271,42 +271,70 @@ import torch, torch.distributed as dist, deepspeed
 from transformers import AutoProcessor
 from transformers.integrations import HfDeepSpeedConfig
 import data, model, train
-model_dir, train_jsonl, mode = sys.argv[1:4]
+model_dir, train_jsonl, modes = sys.argv[1:4]
 dist.init_process_group("gloo")
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
-args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size", "2",
-                         "--logprob_chunk_tokens", "1",
-                         "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
-cfg = model.ds_config(args, 1, 2, bf16=False)
-keep = HfDeepSpeedConfig(cfg)
-policy = model.load_model(model_dir, args, torch.float32)
-engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
-processor = AutoProcessor.from_pretrained(model_dir)
-samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
-P = samples[0]["hf"]["input_ids"].shape[1]
-if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
-    args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
-else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
-    widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
-groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n,
-                                                              text="", finish_reason="stop")
-                                             for k, n in enumerate(w)])
-          for s, w in zip(samples, widths)]
-run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, sampling=train.grpo.Sampling(),
-                            device=torch.device("cpu"), rank=rank)
-batches = train.micro_batches(run, groups)
-for j, b in enumerate(batches):
-    ts = engine(**b["inputs"], chunks=b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel())
-    engine.set_gradient_accumulation_boundary(j == len(batches) - 1)
-    engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
-    engine.step()
-print("STEPPED", rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
+for mode in modes.split(","):   # each mode a fresh engine: the even and budget runs share the processes
+    args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size",
+                             "2", "--logprob_chunk_tokens", "1",
+                             "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
+    cfg = model.ds_config(args, 1, 2, bf16=False)
+    keep = HfDeepSpeedConfig(cfg)
+    policy = model.load_model(model_dir, args, torch.float32)
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
+    P = samples[0]["hf"]["input_ids"].shape[1]
+    if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
+        args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
+    else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
+        widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
+    groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n,
+                                                                  text="", finish_reason="stop")
+                                                 for k, n in enumerate(w)])
+              for s, w in zip(samples, widths)]
+    run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, sampling=train.grpo.Sampling(),
+                                device=torch.device("cpu"), rank=rank)
+    batches = train.micro_batches(run, groups)
+    for j, b in enumerate(batches):
+        ts = engine(**b["inputs"], chunks=b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel())
+        engine.set_gradient_accumulation_boundary(j == len(batches) - 1)
+        engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
+        engine.step()
+    print("STEPPED", mode, rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
 """
 
 
+def two_ranks(tiny_default, modes):
+    """Both ranks' output of UNEVEN run over `modes` (comma-separated) in one pair of processes, or None on a hang."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], modes], cwd=ROOT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        # a hang, not a slow machine: 90 s failed beside other jobs
+        return [p.communicate(timeout=600)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def stepped(tiny_default):
+    """The even and budget runs, which both complete, in one pair of ranks (two process starts less)."""
+    return two_ranks(tiny_default, "even,budget")
+
+
 @pytest.mark.parametrize("mode", ["even", "uneven", "budget"])
-def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, mode):
+def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, mode, request):
     """No global padding, on two ranks with every parameter partitioned (ZeRO-3) and one token per
     log-prob chunk. even: micro-batches of 2 and 10 completion tokens; train.micro_batches gives both
     ranks 10 chunks and the step completes. uneven: each rank with its own count (2 and 10) is what that
@@ -314,28 +342,13 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
     collective mismatch") where NCCL would hang. budget (--micro_batch_tokens): rank 0's sequences fit one
     micro-batch and rank 1's need two; rank 0 splits its own, and both ranks take one optimizer step over
     their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT, free_port
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], mode], cwd=ROOT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        # a hang, not a slow machine: 90 s failed beside other jobs
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        outs = None
-    finally:
-        for p in procs:
-            p.kill()
     expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
     if expect:
-        assert outs and all(f"STEPPED {r} {expect}" in o for r, o in enumerate(outs)), \
+        outs = request.getfixturevalue("stepped")
+        assert outs and all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), \
             outs and [o[-2000:] for o in outs]
     else:
+        outs = two_ranks(tiny_default, mode)
         assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
 
 

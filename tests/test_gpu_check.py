@@ -52,10 +52,11 @@ def test_find_gpu_reads_device_files_and_nvidia_smi(tmp_path, monkeypatch):
     assert "GPU 0: NVIDIA H100" in gpu_check.find_gpu(str(tmp_path / "empty"))
 
 
-def test_a_gpu_that_torch_cannot_use_fails_and_names_the_interpreter(tmp_path):
+def test_a_gpu_that_torch_cannot_use_fails_and_names_the_interpreter(tmp_path, monkeypatch, capsys):
     """The reported case: a GPU box where `make test` made .venv, the CPU stack, which `make gpu-check` then
-    picks. With a fake nvidia-smi on PATH (through make) or a fake /dev/nvidia0 (gpu_check.py --dev) and this
-    CPU torch it exits 2 and says which interpreter ran and how to name another; with neither it exits 0."""
+    picks. With a fake nvidia-smi on PATH (through make) or a fake /dev/nvidia0 (gpu_check.main's --dev, in this
+    process: the make run is the one that starts gpu_check.py) and this CPU torch it exits 2 and says which
+    interpreter ran and how to name another; with neither it exits 0."""
     assert torch.version.cuda is None and not torch.cuda.is_available()
     empty = str(tmp_path / "nothing")
     env = dict(os.environ, PATH=os.pathsep.join([fake_smi(tmp_path / "bin", "GPU 0: NVIDIA H100 (UUID: GPU-x)"),
@@ -71,16 +72,15 @@ def test_a_gpu_that_torch_cannot_use_fails_and_names_the_interpreter(tmp_path):
     (dev / "nvidia0").write_text("")
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                            if not os.path.exists(os.path.join(p, "nvidia-smi")))   # a real one, on a GPU box
+    monkeypatch.setenv("PATH", path)
     out = tmp_path / "direct"
-    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dev", str(dev), "--out", str(out)], cwd=ROOT,
-                       env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and f"{dev}/nvidia0" in r.stdout and sys.executable in r.stdout, r.stdout + r.stderr
+    code, said = gpu_check.main(["--dev", str(dev), "--out", str(out)]), capsys.readouterr().out
+    assert code == 2 and f"{dev}/nvidia0" in said and sys.executable in said, said
     report = json.load(open(out / "report.json"))
     assert "cannot use" in report["device"] and {e["status"] for e in report["items"].values()} == {"skipped"}
 
-    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dev", empty, "--out", str(tmp_path / "none")],
-                       cwd=ROOT, env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "no GPU here" in r.stdout, r.stdout + r.stderr
+    code, said = gpu_check.main(["--dev", empty, "--out", str(tmp_path / "none")]), capsys.readouterr().out
+    assert code == 0 and "no GPU here" in said, said
     assert json.load(open(tmp_path / "none" / "report.json"))["device"] == "no GPU"
 
 

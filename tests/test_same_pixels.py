@@ -20,11 +20,19 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 SIDES = [(448, 448), (5000, 5000), (10000, 10000), (10000, 7000)]   # (w, h) in pixels
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=None)
 def picture(w, h, seed=0):
-    """A smooth random RGB image of w x h pixels (a 16 x 16 random image upscaled), made once; nothing alters it."""
+    """A smooth random RGB image of w x h pixels (a 16 x 16 random image upscaled), made once per module; nothing
+    alters it."""
     small = np.random.default_rng(seed).integers(0, 256, (16, 16, 3), dtype=np.uint8)
     return Image.fromarray(small).resize((w, h), Image.BICUBIC)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pictures_freed():
+    """The pictures (1.2 GB) live while this module runs, not to the end of the session."""
+    yield
+    picture.cache_clear()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
