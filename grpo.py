@@ -178,7 +178,8 @@ class _VocabStats(torch.autograd.Function):
         # The sampler's logit_bias -inf, as the lowest float: its exp() is 0 and the entropy's 0 x log 0 is not NaN.
         if sampling.banned:
             x.index_fill_(-1, banned, torch.finfo(x.dtype).min)
-        logp = torch.log_softmax(x, dim=-1)                            # (n, V)
+        kept = with_kept and sampling.truncated   # _log_kept reads x after the log-softmax: only then a new buffer
+        logp = torch.log_softmax(x, dim=-1, out=None if kept else x)   # (n, V), in place on x otherwise
         idx = token_ids.unsqueeze(-1)                                  # (n, 1)
         picked = logp.gather(-1, idx).squeeze(-1)                      # (n,)
         if sampling.banned:
@@ -186,7 +187,7 @@ class _VocabStats(torch.autograd.Function):
         entropy = log_kept = None
         if with_entropy:   # -sum p log p, each row's dot product (n, 1, V) @ (n, V, 1): no (n, V) product
             entropy = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)   # (n,)
-        if with_kept and sampling.truncated:   # each row's log-normaliser from its largest logit, never a banned one
+        if kept:   # each row's log-normaliser from its largest logit, never a banned one
             log_kept = _log_kept(x, x.amax(-1) - logp.amax(-1), sampling.top_k, sampling.top_p)
         ctx.save_for_backward(logp, token_ids, banned, entropy if with_entropy else None)
         ctx.temperature, ctx.dtype = sampling.temperature, logits.dtype

@@ -270,8 +270,9 @@ def activation_bytes(s, p, gc):
 
 
 # Bytes per row and vocabulary entry of one log-prob chunk's backward, with or without a trained entropy:
-# lm_head's bf16 output, its fp32 copy, the saved log-softmax and the gradient written into it (docs/memory.md).
-CHUNK_GRAD_BYTES = 14
+# lm_head's bf16 output, its fp32 copy that the log-softmax and the gradient overwrite, the gradient in bf16
+# (docs/memory.md).
+CHUNK_GRAD_BYTES = 10
 
 
 def update_bytes(s, p, gc, rows, tokens, images, completion_rows, chunk_tokens, masked,

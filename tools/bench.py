@@ -11,6 +11,7 @@ these ratios, and writes them with details to runs/bench/bench.json:
                      one weight at a time); lora_sync_ratio its time / the plain one-shot reload.
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
+  logprob_time_ratio forward + backward of those log-probs chunked at 1,024 tokens / the naive full log_softmax.
   multiturn_ratio    --tools: a step's trajectories on the zoom task (train.trajectories: every live one a turn
                      per generate call, the crop between turns, up to 3 turns) / the bare minimum: one generate
                      call from the same prompts that writes as many tokens per trajectory (min_tokens = max_tokens).
@@ -26,7 +27,7 @@ these ratios, and writes them with details to runs/bench/bench.json:
 How: medians over interleaved A/B pairs in alternating order after a warm-up (the machine is shared).
 Memory in-process: host RSS sampled every ~1 ms by a thread (blind to small blocks malloc reuses) and
 live torch tensor bytes from the profiler's allocator events (exact, tensors only); the log-prob cases
-run once each in a fresh spawned process and read ru_maxrss.
+run once each in a fresh spawned process and read ru_maxrss, their time ratio from pairs in one more.
 Left out: ZeRO-3 (a plain HF model: GatheredParameters in sync_weights is a no-op, buckets are views,
 so no gather time or gathered copy), GPUs (sleep/wake are no-ops on CPU), several ranks, long outputs.
 """
@@ -52,7 +53,7 @@ MB, PAGE = 2 ** 20, os.sysconf("SC_PAGE_SIZE")
 PROMPTS, G, MAX_TOKENS, REPS = 16, 8, 4, 21  # REPS pairs: cheap here, and the machine is noisy
 T, H, V = 2048, 64, 151936
 TARGETS = {"rollout_ratio": 1.15, "sync_ratio": 1.5, "sync_peak_ratio": 1.5, "lora_sync_peak_ratio": 1.5,
-           "logprob_mem_ratio": 0.25, "multiturn_ratio": 1.3}
+           "logprob_mem_ratio": 0.25, "logprob_time_ratio": 1.3, "multiturn_ratio": 1.3}
 
 
 def rss():
@@ -112,13 +113,8 @@ def interleaved(fa, fb, reps=REPS):
     return med[0], med[1], statistics.median(a / b for a, b in zip(*wall)), med[2] / med[3]
 
 
-def logprob_child(chunk, grad):
-    """One case (chunk None = naive) in a fresh process, as ru_maxrss is a lifetime high-water mark.
-    -> seconds, peak bytes over the RSS just before the op (None unless it set a new high), logps, grad."""
-    torch.manual_seed(0)
-    lm_head = torch.nn.Linear(H, V, bias=False)
-    hidden, ids = torch.randn(1, T, H, requires_grad=grad), torch.randint(V, (1, T))
-    now, high, t0 = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.perf_counter()
+def logprob_case(chunk, grad, lm_head, hidden, ids):
+    """The naive log-probs (chunk None) or grpo.token_logps' chunks, with a backward of their sum under grad."""
     with torch.set_grad_enabled(grad):
         if chunk is None:
             lp = torch.log_softmax(lm_head(hidden).float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -126,27 +122,67 @@ def logprob_child(chunk, grad):
             lp = grpo.token_logps(lm_head, hidden, ids, grpo.Sampling(), chunk).logps
         if grad:
             lp.sum().backward()
-    dt, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return dt, after - now if after > high else None, lp.detach(), hidden.grad
+    return lp
 
 
-def bench_logprobs(rows, out):
+def logprob_inputs(grad):
+    torch.manual_seed(0)
+    hidden = torch.randn(1, T, H, requires_grad=grad)
+    return torch.nn.Linear(H, V, bias=False), hidden, torch.randint(V, (1, T))
+
+
+def logprob_child(chunk, grad):
+    """One case (chunk None = naive) in a fresh process, as ru_maxrss is a lifetime high-water mark, after a warm-up
+    on 8 tokens (the first checkpoint call imports torch._dynamo, which train.py's process has done already).
+    -> seconds, CPU seconds, peak bytes over the RSS just before the op (None unless it set a new high), logps, grad."""
+    lm_head, hidden, ids = logprob_inputs(grad)
+    logprob_case(chunk, grad, lm_head, hidden[:, :8].detach().requires_grad_(grad), ids[:, :8])
+    lm_head.zero_grad(set_to_none=True)
+    now, high = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0, c0 = time.perf_counter(), time.process_time()
+    lp = logprob_case(chunk, grad, lm_head, hidden, ids)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dt, cpu, after - now if after > high else None, lp.detach(), hidden.grad
+
+
+def logprob_pairs(chunk, reps):
+    """Forward + backward of chunk-sized chunks against the naive path in one process, `reps` interleaved pairs after
+    a warm-up of each: interleaved's four numbers."""
+    lm_head, hidden, ids = logprob_inputs(True)
+
+    def case(c):
+        hidden.grad = None
+        lm_head.zero_grad(set_to_none=True)
+        logprob_case(c, True, lm_head, hidden, ids)
+    case(chunk), case(None)
+    return interleaved(lambda _: case(chunk), lambda _: case(None), reps)
+
+
+def bench_logprobs(rows, out, reps=5):
     res = {}
     for grad, sfx in ((False, ""), (True, "_grad")):
         for chunk in (None, 1024, 256):
             with mp.get_context("spawn").Pool(1) as pool:  # a new pool per case: a fresh process
-                res[chunk] = dt, peak, lp, g = pool.apply(logprob_child, (chunk, grad))
+                res[chunk] = dt, cpu, peak, lp, g = pool.apply(logprob_child, (chunk, grad))
             name = f"logprob {'naive' if chunk is None else f'chunked {chunk}'} {'grad+bwd' if grad else 'no grad'}"
             rows.append((name, dt, None if peak is None else peak / MB, None))
-            print(f"[bench] {name}: {dt:.2f} s", flush=True)
+            print(f"[bench] {name}: {dt:.2f} s ({cpu:.2f} s CPU)", flush=True)
             if chunk is not None:
                 naive = res[None]
-                out[f"logprob_mem_ratio_chunk{chunk}{sfx}"] = peak / naive[1] if peak and naive[1] else None
-                out[f"logprob_max_abs_diff_chunk{chunk}{sfx}"] = (lp - naive[2]).abs().max().item()
+                out[f"logprob_mem_ratio_chunk{chunk}{sfx}"] = peak / naive[2] if peak and naive[2] else None
+                out[f"logprob_max_abs_diff_chunk{chunk}{sfx}"] = (lp - naive[3]).abs().max().item()
                 if grad:
-                    out[f"logprob_grad_max_abs_diff_chunk{chunk}"] = (g - naive[3]).abs().max().item()
+                    out[f"logprob_grad_max_abs_diff_chunk{chunk}"] = (g - naive[4]).abs().max().item()
+                    out[f"logprob_time_ratio_chunk{chunk}_single"] = dt / naive[0]
+                    out[f"logprob_time_ratio_chunk{chunk}_single_cpu"] = cpu / naive[1]
     out["logprob_mem_ratio"] = out["logprob_mem_ratio_chunk256"]   # train.py's --logprob_chunk_tokens default
     out["logprob_max_abs_diff"] = max(v for k, v in out.items() if k.startswith("logprob_max_abs_diff_"))
+    with mp.get_context("spawn").Pool(1) as pool:
+        ta, tb, paired, cpu = pool.apply(logprob_pairs, (1024, reps))
+    out.update(logprob_time_ratio=ta / tb, logprob_time_ratio_paired_median=paired, logprob_time_ratio_cpu=cpu,
+               logprob_seconds={"chunked_1024": ta, "naive": tb})
+    print(f"[bench] logprob chunked 1024 / naive, grad+bwd, {reps} pairs: {ta:.2f} s / {tb:.2f} s", flush=True)
 
 
 def setup():
@@ -586,7 +622,8 @@ def main():
     print(f"\nlogprob rows: one run each in a fresh process (ru_maxrss), {T} tokens, V={V}, hidden {H}.")
     print(f"{out['sync_peak_note']}\nnoise checks (median per-pair ratio / ratio of CPU-time medians): rollout "
           f"{out['rollout_ratio_paired_median']:.3f} / {out['rollout_ratio_cpu']:.3f}, sync "
-          f"{out['sync_ratio_bucket0_paired_median']:.3f} / {out['sync_ratio_bucket0_cpu']:.3f}; load average "
+          f"{out['sync_ratio_bucket0_paired_median']:.3f} / {out['sync_ratio_bucket0_cpu']:.3f}, log-probs "
+          f"{out['logprob_time_ratio_paired_median']:.3f} / {out['logprob_time_ratio_cpu']:.3f}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     for key, target in list(TARGETS.items()) + [("logprob_max_abs_diff", 1e-5)]:
         ok = out[key] is not None and out[key] <= target
