@@ -620,7 +620,7 @@ def check_box(row, args, size=None, norm_bbox="none"):
 # The columns the run gives every reward beside the row's own fields (prepare: image_size, seen_size, norm_bbox;
 # train.reward_inputs: the rest): a reward's parameter among them is no field the data must have.
 RUN_COLUMNS = ("image_size", "seen_size", "norm_bbox", "completion_length", "max_completion_length", "trajectory",
-               "tool_calls", "tool_failures")
+               "tool_calls", "tool_failures", "scorer")
 
 
 def reward_needs(names):

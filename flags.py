@@ -166,12 +166,22 @@ def build_parser():
     g.add_argument("--max_turns", type=int, default=4,
                    help="with --tools: model turns per trajectory at most (a call in the last one is not run); "
                         "--max_completion_length counts every model token of a trajectory")
-    g.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"], choices=sorted(reward.REWARDS),
-                   help="reward functions")
+    g.add_argument("--reward_funcs", nargs="*", default=["accuracy", "format"], choices=sorted(reward.REWARDS),
+                   help="reward functions; none at all with --teacher_model (distillation alone)")
     g.add_argument("--plugins", "--external_plugins", nargs="+", default=[],
                    help="Python files of your own tools and rewards (module-level dicts TOOLS and REWARDS), loaded "
                         "first so that --tools and --reward_funcs take their names")
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function")
+    g.add_argument("--reward_model", default=None,
+                   help="a model (the policy's tokenizer) loaded in the training processes for rewards with a `scorer` "
+                        "parameter (reward likelihood; docs/plugins.md)")
+    g = p.add_argument_group("on-policy distillation (--teacher_model; docs/step.md)")
+    g.add_argument("--teacher_model", default=None,
+                   help="a model with the policy's tokenizer; each token's advantage gains --teacher_coef x (teacher "
+                        "minus policy log-prob)")
+    g.add_argument("--teacher_coef", type=float, default=1.0,
+                   help="with --teacher_model: the weight of its per-token advantage, a sampled reverse KL to the "
+                        "teacher (train/teacher_kl)")
     g = p.add_argument_group("an LLM judge (--reward_funcs judge; judge.py, docs/judge.md)")
     g.add_argument("--judge_url", default=None,
                    help="an OpenAI-compatible endpoint's base URL, ending in /v1 (vllm serve, SGLang, a hosted API), "
@@ -353,7 +363,7 @@ CHANGES_THE_STATE = {
                      "dynamic_sampling", "max_num_gen_batches", "reward_funcs", "reward_weights", "temperature",
                      "top_p", "top_k", "max_completion_length", "tools", "max_turns", "temperature_end", "pass_at_k",
                      "ref_ema", "sft_coef", "loss_type", "plugins", "judge_model", "judge_template", "judge_parser",
-                     "judge_images"), OBJECTIVE),
+                     "judge_images", "teacher_model", "teacher_coef", "reward_model"), OBJECTIVE),
 }
 STEERS = {
     "val_data", "output_dir",   # validation reads its file anew at each launch; the folder is where the run is
@@ -544,6 +554,11 @@ def inert_flags(args):
                      f"{args.max_turns}: a one-image prompt's trajectory shows at most {args.limit_images - 1} of the "
                      f"{args.max_turns - 1} tool images it may get; a later call's image is refused "
                      f"(tools/failure_frac)")
+    if "teacher_coef" in given and not args.teacher_model:
+        notes.append("--teacher_coef acts only with --teacher_model")
+    if args.reward_model and not any(reward.asks_for_model(n) for n in args.reward_funcs):
+        notes.append(f"--reward_model is loaded but no reward in --reward_funcs {' '.join(args.reward_funcs)} asks for "
+                     f"it (a `scorer` parameter)")
     options = {o for opts in grpo.ESTIMATORS.values() for o in opts} - set(grpo.ESTIMATORS[args.advantage_estimator])
     for option in sorted(options & set(given)):   # an estimator's own option that this run's estimator does not read
         readers = " or ".join(e for e, opts in grpo.ESTIMATORS.items() if option in opts)
@@ -594,6 +609,10 @@ def check_args(args, world, local=None, cuda=None):
          f"--temperature {args.temperature} / --temperature_end {args.temperature_end}: the log-probs divide by it, "
          f"so > 0")
     need(args.sft_coef >= 0, f"--sft_coef {args.sft_coef}: a weight >= 0")
+    need(args.reward_funcs or args.teacher_model,
+         "--reward_funcs is empty: name a reward function, or give --teacher_model (on-policy distillation alone)")
+    asks = [n for n in args.reward_funcs if reward.asks_for_model(n)]
+    need(not asks or args.reward_model, f"--reward_funcs {' '.join(asks)} score with a model: give --reward_model")
     need("judge" not in args.reward_funcs or (args.judge_url and args.judge_model),
          "--reward_funcs judge needs --judge_url (an OpenAI-compatible endpoint, .../v1) and --judge_model")
     url_problem = args.judge_url and judge.url_problem(args.judge_url)

@@ -20,13 +20,44 @@ def old_ref_logps(run, batches):
     args = run.args
     with torch.no_grad():
         for b in batches:
-            if args.num_iterations > 1 or args.kl_in_reward:
+            # pi_old before the advantages: with --kl_in_reward and --teacher_model they read it
+            if args.num_iterations > 1 or args.kl_in_reward or run.teacher_engine is not None:
                 from_rows(b, "old_logps", completion_logps(run.engine, b, run).logps)
             if run.ref_engine is not None:
                 from_rows(b, "ref_logps", completion_logps(run.ref_engine, b, run).logps)
             elif args.beta > 0:   # LoRA: the base model is the policy with its adapter off
                 with model.adapter_off(run.engine):
                     from_rows(b, "ref_logps", completion_logps(run.engine, b, run).logps)
+
+
+# ----------------------------------------------------------------------------- a second model in the step
+def frozen_logps(run, batches):
+    """--teacher_model's and --reward_model's log-probs of the completions onto the records (teacher_logps,
+    scorer_logps), without grad, over the policy's micro-batches (its collated inputs and images): the teacher's of
+    the sampled distribution as pi_old's, the reward model's at temperature 1. No routing replay: vLLM's experts are
+    the policy's."""
+    plain = grpo.Sampling(banned=run.sampling.banned)
+    with torch.no_grad():
+        for b in batches:
+            b = dict(b, inputs={k: v for k, v in b["inputs"].items() if k != "routed_experts"})
+            for engine, name, sampling in ((run.teacher_engine, "teacher_logps", None),
+                                           (run.reward_engine, "scorer_logps", plain)):
+                if engine is not None:
+                    from_rows(b, name, completion_logps(engine, b, run, sampling=sampling).logps)
+
+
+def distill(run, comps, m):
+    """--teacher_model: each completion's advantage becomes (n,), plus teacher_coef x (teacher - pi_old log-prob) per
+    token, detached: a sampled reverse KL to the teacher as a per-token reward. Logs train/teacher_kl, the mean of
+    pi_old - teacher over the scored completions' trained tokens."""
+    if run.teacher_engine is None:
+        return
+    for c in comps:
+        gap = c.teacher_logps - c.old_logps                                             # (n,)
+        c.advantage = torch.as_tensor(c.advantage, dtype=torch.float32) + run.args.teacher_coef * gap
+        if c.scored:
+            w = torch.ones_like(gap) if c.mask is None else torch.as_tensor(c.mask, dtype=torch.float32)   # (n,)
+            m.add("train/teacher_kl", -(gap * w).sum().item() / max(w.sum().item(), 1.0), w.sum().item())
 
 
 # ----------------------------------------------------------------------------- the update

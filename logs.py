@@ -121,9 +121,10 @@ def write_trajectories(run, groups, step):
                 os.makedirs(folder, exist_ok=True)
                 seen.append(os.path.join("completions", f"step_{step}", f"{i}_{j}_{kind}.png"))
                 im.save(os.path.join(args.output_dir, seen[-1]))
+            adv = c.advantage.tolist() if hasattr(c.advantage, "tolist") else c.advantage   # per token: a list
             f.write(json.dumps({"step": step, "where": s.get("where"), "id": s.get("id"),
                                 "prompt": decode(s["vllm_ids"]), "completion": c.text,
-                                "finish_reason": c.finish_reason, **scores(c), "advantage": c.advantage,
+                                "finish_reason": c.finish_reason, **scores(c), "advantage": adv,
                                 **({"trajectory": decode(c.token_ids, skip_special_tokens=True),
                                     "calls": [{"call": call, "error": error, "kind": kind}
                                               for call, error, kind in c.calls]}

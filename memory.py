@@ -193,6 +193,7 @@ _TRAIN = ["smaller --per_device_train_batch_size (the micro-batch)",
 PHASE_FIX = {
     "rollout": _GEN, "validation": _GEN, "sync": _GEN + ["smaller --sync_bucket_mb (gathered params per bucket)"],
     "update": _TRAIN, "old_ref_logps": _TRAIN,
+    "teacher_logps": _TRAIN + ["--ref_offload (the teacher's and the reward model's shards in host RAM)"],
     "data": ["lower --max_pixels (images are decoded and resized here)", "lower --limit_images"],
     "checkpoint": ["free disk space under --output_dir and host RAM (the 16-bit model is gathered to save it)"],
     "sleep": ["--sleep_level 2 (vLLM drops its weights instead of pinning a host copy; each sync then sends them all)"],

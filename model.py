@@ -705,15 +705,16 @@ def reference_config(cfg, ref_offload):
     return ref_cfg
 
 
-def load_reference(args, dtype, ref_cfg):
-    """The reference engine under its own config `ref_cfg`, live while it loads: from_pretrained shards by the
-    newest live HfDeepSpeedConfig, and DeepSpeed never moves shards that exist."""
+def load_reference(args, dtype, ref_cfg, path=None):
+    """A frozen engine of the model in `path` (default --model: the reference; --teacher_model, --reward_model) under
+    its own config `ref_cfg`, live while it loads: from_pretrained shards by the newest live HfDeepSpeedConfig, and
+    DeepSpeed never moves shards that exist."""
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import set_hf_deepspeed_config
     previous = transformers_ds_config()
     keep = HfDeepSpeedConfig(ref_cfg)   # noqa: F841  alive while from_pretrained runs
-    model = load_model(args.model, args, dtype)
+    model = load_model(path or args.model, args, dtype)
     if previous is not None:
         set_hf_deepspeed_config(previous)   # the trainer's again, for anything loaded later
     engine, *_ = deepspeed.initialize(model=model, config=ref_cfg)

@@ -13,6 +13,7 @@ checked. Left out: pipeline parallelism, fragmentation (a margin stands in for i
 """
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -500,10 +501,10 @@ def add_cpu_stack(phases, args, s, p, w, world):
     f = trainable_params(s, args) / s["n"]   # the states past the params scale with what trains
     add(phases, "host", "ZeRO-3 states: params, fp32 master, grads, Adam",
         (1 + (CPU["zero_copies"] - 1) * f) * weights / world)
-    if args.beta > 0 and not args.use_peft:
-        add(phases, "host", "reference model", weights / world + CPU["ref_leftover"] * weights)
-        add(phases, "host", "reference gathered (stage3_max_live_parameters)",
-            CPU["ref_gathered"] * weights * (1 - 1 / world), ("old_ref_logps",))
+    for name, n in frozen_models(args, s):
+        add(phases, "host", name, n * p / world + CPU["ref_leftover"] * n * p)
+        add(phases, "host", f"{name.split()[0]} gathered (stage3_max_live_parameters)",
+            CPU["ref_gathered"] * n * p * (1 - 1 / world), ("old_ref_logps",))
     add(phases, "host", "update: gathered grads + buckets", CPU["update_copies"] * weights * f, ("update",))
     add_passes(phases, "host", args, s, p, w)
     add_tools(phases, args, w, world, 1)
@@ -562,17 +563,29 @@ def add_passes(phases, place, args, s, p, w):
     add(phases, place, "vision tower forward (no grad)", vision_pass, ("old_ref_logps",))
 
 
+def frozen_models(args, s):
+    """[(term, parameters)] of the frozen engines: the reference (not under LoRA), the teacher, the reward model."""
+    out = [("reference model", s["n"])] if args.beta > 0 and not args.use_peft else []
+    return out + [(f"{name} model (--{name}_model)", params_of(path))
+                  for name, path in (("teacher", getattr(args, "teacher_model", None)),
+                                     ("reward", getattr(args, "reward_model", None))) if path]
+
+
+@functools.lru_cache(maxsize=None)
+def params_of(path):
+    """model_shape(path)'s n, read once."""
+    return model_shape(path)["n"]
+
+
 def add_reference(phases, args, s, p, world, ranks):
-    """The reference model's ZeRO-3 shards and --ref_ema's fp32 masters, on the GPU or the host as
-    --ref_offload says; none under LoRA."""
-    if not (args.beta > 0 and not args.use_peft):
-        return
-    weights = s["n"] * p
-    if args.ref_offload:
-        add(phases, "host", "reference model", weights / world * ranks, TRAINER)
-    else:
-        add(phases, "gpu", "reference model", weights / world, TRAINER)
-    if getattr(args, "ref_ema", 0) and p < 4:
+    """The frozen models' ZeRO-3 shards (frozen_models) and --ref_ema's fp32 masters, on the GPU or the host as
+    --ref_offload says."""
+    for name, n in frozen_models(args, s):
+        if args.ref_offload:
+            add(phases, "host", name, n * p / world * ranks, TRAINER)
+        else:
+            add(phases, "gpu", name, n * p / world, TRAINER)
+    if getattr(args, "ref_ema", 0) and p < 4 and args.beta > 0 and not args.use_peft:
         add(phases, "host" if args.ref_offload else "gpu", "reference's fp32 masters (--ref_ema)",
             s["n"] * 4 / world * (ranks if args.ref_offload else 1), TRAINER)
 
@@ -861,7 +874,7 @@ def step_seconds(args, cluster, s):
     active = s.get("n_active", n)                 # a token's compute runs through its top-k
     seqs = args.rollout_batch_size // world * args.num_generations
     micro = seqs // flags.micro_batch(args, world)
-    logp_passes = 1 + (args.beta > 0 and not args.use_peft)   # old log-probs, and the reference's
+    logp_passes = 1 + sum(m for _, m in frozen_models(args, s)) / n   # old log-probs, and each frozen model's
     tool = toolbox.trajectory_tokens(args, args.max_pixels or data.IMAGE_TOKENS * s["grid"] ** 2, s["grid"])
     tokens = seqs * (args.max_prompt_length + args.max_completion_length + tool)
     if shares_prefix(args, s):   # each group's prompt once in every training pass
@@ -892,6 +905,8 @@ def step_seconds(args, cluster, s):
         t["vLLM sleep and wake"] = c["sleep_wake_s"] + (args.sleep_level == 1) * 2 * n * p / tp / pcie
     if cluster.cuda and args.ref_offload and args.beta > 0 and not args.use_peft:
         t["reference shards over PCIe"] = micro * p * n / world / pcie
+    if cluster.cuda and args.ref_offload and (more := sum(m for k, m in frozen_models(args, s) if "--" in k)):
+        t["teacher / reward model shards over PCIe"] = micro * p * more / world / pcie
     return t
 
 

@@ -17,16 +17,20 @@ one, write a function and add it to REWARDS, or to the REWARDS of a file of your
     equation_steps  spans: each arithmetic step "a op b = c" of the completion, +1 right, -1 wrong (a process
                     reward: the example of a reward per step)
     judge           an LLM judge's grade of the completion, from an OpenAI-compatible endpoint (judge.py: --judge_url)
+    likelihood      the mean log-prob of the completion's own tokens under --reward_model (a reward that uses a model:
+                    its `scorer` parameter gets a Scorer)
 
 A function that raises, or returns None, NaN, a number too large for a float, a dict or a malformed span, fails for
 that completion (counted in `reward/<name>_failures`; one line per reward and call says why, None excepted).
 train.py leaves the completion out of its group's statistics and out of the loss (its total here is a placeholder
 0), and the run goes on. A reward still running after SLOW_S seconds is named once. Left out on purpose: registries,
-a reward model in the training processes (the judge reward asks one behind an endpoint), partial credit in accuracy,
+a scalar-head reward model (the judge reward asks one behind an endpoint), partial credit in accuracy,
 and a time limit on math-verify outside the main thread (its limit is signal.alarm, which works only there).
 docs/step.md, "Rewards", has the details.
 """
 import collections
+import dataclasses
+import inspect
 import math
 import numbers
 import re
@@ -195,8 +199,32 @@ def equation_steps(completions, **kwargs):
              for m in STEP.finditer(c)] for c in completions]
 
 
+@dataclasses.dataclass
+class Scorer:
+    """A `scorer` parameter's value under --reward_model: its log-probs of each completion, and what it read."""
+    processor: object     # the policy's processor; the reward model has the same tokenizer
+    device: object        # where the engine computes
+    token_ids: list       # (N,) each completion's token ids
+    images: list          # (N,) each completion's images (its prompt's, then its tools'), PIL
+    logps: list           # (N,) each completion's (n,) log-probs under the reward model, at temperature 1
+    mask: list            # (N,) each completion's (n,) 1 where the policy wrote the token (not a tool message)
+    engine: object        # the reward model's DeepSpeed engine (model.logps_forward); call it as often on every rank
+
+
+def likelihood(completions, scorer, **kwargs):
+    """Per completion, the mean log-prob under --reward_model of the tokens the policy wrote (None: validation)."""
+    if scorer is None:
+        return [None] * len(completions)
+    return [float((lp * m).sum() / m.sum()) if m.sum() else None for lp, m in zip(scorer.logps, scorer.mask)]
+
+
+def asks_for_model(name):
+    """Whether reward `name` takes a `scorer`."""
+    return "scorer" in inspect.signature(REWARDS[name]).parameters
+
+
 REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty,
-           "equation_steps": equation_steps, "judge": judge.judge}
+           "equation_steps": equation_steps, "judge": judge.judge, "likelihood": likelihood}
 
 
 def real(value):

@@ -71,6 +71,8 @@ class Run:
     ref_masters: list = None         # --ref_ema, a bf16 reference: fp32 copies of its partitions (reference_step)
     wandb_failed: bool = False       # wandb stopped taking logs (metrics.jsonl still has them)
     judge_silent: int = 0            # steps in a row in which the judge gave no score (train.judge_gave_up)
+    teacher_engine: object = None    # --teacher_model: a frozen engine whose log-probs are a per-token advantage
+    reward_engine: object = None     # --reward_model: a frozen engine that rewards may ask (reward.Scorer)
 
     @property
     def master(self):
@@ -109,6 +111,8 @@ def setup(args):
         print(report)
     llm, tp_group = start_vllm(args, rank, world, local_world, bf16)
     engine, ref_engine, dschf = load_models(args, cfg, dtype)
+    teacher_engine, reward_engine = (load_frozen(path, flag, args, processor, cfg, dtype) for path, flag in
+                                     ((args.teacher_model, "--teacher_model"), (args.reward_model, "--reward_model")))
     # kept out of completions (logit_bias -inf)
     banned = rollout.checkpoint_banned_ids(args.model, processor.tokenizer)
     stream, val_samples = load_data(args, processor, rank, world, model.family(config)["norm_bbox"])
@@ -117,7 +121,8 @@ def setup(args):
               processor=processor, stream=stream, val_samples=val_samples, tp_group=tp_group,
               sampling=sampling_of(args, banned), pad_id=processor.tokenizer.pad_token_id or 0,
               tied=policy.lm_head.weight is policy.get_input_embeddings().weight, offload=offload_types(args, rank),
-              hf_ds_config=dschf, aux_loss_coef=aux_loss_coef, ref_masters=fp32_masters(ref_engine, args))
+              hf_ds_config=dschf, aux_loss_coef=aux_loss_coef, ref_masters=fp32_masters(ref_engine, args),
+              teacher_engine=teacher_engine, reward_engine=reward_engine)
     # resume: weights, optimizer, scheduler, step, data position, RNG (and a moving reference's own state); then
     # metrics.jsonl and wandb, continued
     ckpt, run.start = checkpoint.resume(engine, stream, args, rank, resume_from, run.moving_reference)
@@ -322,6 +327,21 @@ def load_models(args, cfg, dtype):
     ref_engine = model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload)) \
         if args.beta > 0 and not args.use_peft else None   # LoRA: the reference is the policy with its adapter off
     return engine, ref_engine, dschf
+
+
+def load_frozen(path, flag, args, processor, cfg, dtype):
+    """A second model that scores the policy's completions (`flag`: --teacher_model, --reward_model), held as the
+    reference is (a ZeRO-3 inference engine, its shards in host RAM with --ref_offload) -> its engine, or None
+    without `path`. Its tokenizer must be the policy's: it reads the same token ids."""
+    if path is None:
+        return None
+    path = model.on_disk(path)
+    model.refuse_quantized(path, flag)
+    theirs = AutoProcessor.from_pretrained(path).tokenizer.get_vocab()
+    if theirs != processor.tokenizer.get_vocab():
+        sys.exit(f"error: {flag} {path}: its tokenizer differs from --model's ({len(theirs)} vs "
+                 f"{len(processor.tokenizer)} tokens, or other ids); it must read the policy's token ids")
+    return model.load_reference(args, dtype, model.reference_config(cfg, args.ref_offload), path=path)
 
 
 def fp32_masters(ref_engine, args):

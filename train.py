@@ -69,6 +69,8 @@ class Completion:
     total: float = None              # weighted sum of the rewards (score)
     old_logps: torch.Tensor = None   # (n,) the trainer's log-probs at the sampler's weights, pi_old
     ref_logps: torch.Tensor = None   # (n,) the reference model's (beta > 0)
+    teacher_logps: torch.Tensor = None   # (n,) --teacher_model's, of the sampled distribution
+    scorer_logps: torch.Tensor = None    # (n,) --reward_model's, at temperature 1 (reward.Scorer)
     is_weights: torch.Tensor = None  # (n,) the sampler correction's weight per token (per sequence: repeated)
     kl_penalty: float = None         # --kl_in_reward: beta x the summed per-token KL to the reference, off the total
     advantage: object = None         # a float, or (n,) one per token (--advantage_estimator process)
@@ -142,6 +144,9 @@ def train_step(run, step, m):
     batches = micro_batches(run, groups)                # a layout over the completions' records
     with memory.phase("old_ref_logps", m):
         learner.old_ref_logps(run, batches)             # onto the records, before the advantages may read them
+    if run.teacher_engine is not None or run.reward_engine is not None:
+        with memory.phase("teacher_logps", m):
+            learner.frozen_logps(run, batches)          # --teacher_model, --reward_model: their log-probs
     with memory.phase("reward", m):
         score(run, groups)                              # every reward onto the records (the judge's collected)
     advantages(run, groups, m)
@@ -437,6 +442,13 @@ def reward_inputs(run, samples, comps):
     if "judge" in run.args.reward_funcs:   # the judge's template names the image; --judge_images sends its pixels
         cols.update(image=[s["sources"][0] if s["sources"] else None for s in samples],
                     _images=[s["images"] for s in samples])
+    if run.args.reward_model:   # validation has no reward-model log-probs: scorer None, the reward unscored
+        logps = [c.scorer_logps for c in comps]
+        cols.update(scorer=None if any(lp is None for lp in logps) else reward.Scorer(
+            processor=run.processor, device=run.device, token_ids=[c.token_ids for c in comps],
+            images=[s["images"] + c.images for s, c in zip(samples, comps)], logps=logps,
+            mask=[torch.ones(len(c.token_ids)) if c.mask is None else torch.as_tensor(c.mask, dtype=torch.float32)
+                  for c in comps], engine=run.reward_engine))
     if run.args.tools:
         cols.update(trajectory=run.processor.tokenizer.batch_decode([c.token_ids for c in comps],
                                                                     skip_special_tokens=True),
@@ -476,6 +488,7 @@ def advantages(run, groups, m):
                   f"of their size); scale the reward")
     for c, a in zip(comps, adv):
         c.advantage = a
+    learner.distill(run, comps, m)                      # --teacher_model: its per-token advantage added
     m["reward/zero_spread_groups"] = ranks.Mean(zero_spread, len(groups))
 
 

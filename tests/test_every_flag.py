@@ -85,6 +85,10 @@ ACTS = {
     "--reward_funcs": "tests/test_step.py::test_score_fills_rewards_and_failure_flags_per_group",
     "--plugins": "tests/test_tools.py::test_the_docs_example_plugin_adds_a_tool_and_a_reward",   # both spellings
     "--reward_weights": "tests/test_step.py::test_score_fills_rewards_and_failure_flags_per_group",
+    "--reward_model": "tests/test_teacher.py::test_the_likelihood_reward_is_the_mean_log_prob_under_the_reward_model",
+    # on-policy distillation
+    "--teacher_model": "tests/test_teacher.py::test_the_teachers_log_probs_and_the_advantage",
+    "--teacher_coef": "tests/test_teacher.py::test_the_teachers_log_probs_and_the_advantage",
     # an LLM judge
     "--judge_url":
         "tests/test_judge.py::test_the_judge_scores_concurrently_once_per_request_and_answers_while_the_caller_works",

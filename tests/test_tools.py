@@ -758,11 +758,11 @@ def test_the_docs_name_every_key_of_the_sample_and_every_column_a_reward_gets():
     from transformers import AutoProcessor
     model_dir, train_jsonl, _ = zoom("qwen2_5_vl")
     processor = AutoProcessor.from_pretrained(model_dir)
-    args = train.parse_args(["--tiny_task", "zoom"])
+    args = train.parse_args(["--tiny_task", "zoom", "--reward_model", model_dir])   # its scorer column too
     row = data.read_jsonl(train_jsonl)[0]
     s = data.prepare(row, processor, args, toolbox.schemas(args.tools))
     assert table_keys("sample keys") == set(s)
-    run = types.SimpleNamespace(args=args, processor=processor)
+    run = types.SimpleNamespace(args=args, processor=processor, device=torch.device("cpu"), reward_engine=None)
     comps = [train.Completion(index=0, token_ids=[1, 2], sampler_logps=[0.0, 0.0], text="red", finish_reason="stop",
                               mask=[1, 1], calls=[("call", None, None)])]
     fields = {k for k in row if not k.startswith("_")} - {"image", "images", "video", "videos", "tools"}
