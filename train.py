@@ -545,7 +545,9 @@ def validate(run, step, m):
     texts = [c.text for c in comps]
     total, scores, failed = reward.compute_rewards(args.reward_funcs, args.reward_weights, texts,
                                                    reward_inputs(run, run.val_samples, comps))
-    scored = [t for i, t in enumerate(total) if not any(f[i] for f in failed.values())]   # no placeholder 0
+    # no placeholder 0; a reward that asks for --reward_model is unscored here (no log-probs) and left out of the total
+    counted = [f for k, f in failed.items() if not reward.asks_for_model(k)]
+    scored = [t for i, t in enumerate(total) if not any(f[i] for f in counted)]
     m = {"val/reward": ranks.Mean(np.mean(scored) if scored else 0.0, len(scored))}
     for k in args.reward_funcs:
         ok = [v for v, f in zip(scores[k], failed[k]) if not f]
