@@ -23,19 +23,35 @@ $(VENV)/.installed: requirements-cpu.txt tools/torchvision_cpu_shim.py
 	$(PY) -c "import torch, torchvision, vllm, deepspeed; assert '+cpu' in torch.__version__, torch.__version__"
 	touch $@
 
-# make demo [TASK=grounding|zoom|motion|judge] [ARCH=qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]: that task and model family
+# make demo [TASK=grounding|zoom|motion|judge|distill] [ARCH=qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]: that task and model family
 # make demo TASK=judge: the colour task graded by a judge behind an OpenAI-compatible endpoint (a stand-in on
 # 127.0.0.1, tools/judge_server.py, started and stopped here; docs/judge.md)
 # Two jobs on one machine need their own ports: MASTER_PORT (deepspeed's --master_port, the ranks' rendezvous) and,
 # with TASK=judge, JUDGE_PORT (the stand-in judge), e.g. make demo TASK=judge MASTER_PORT=29501 JUDGE_PORT=8012
+# make demo TASK=distill: the colour task learnt from a taught tiny teacher's log-probs alone (--teacher_model; the
+# accuracy reward at weight 0, watched, not trained on); the teacher is made once by tools/teach.py into runs/teacher-*;
+# TEACHER=untaught: the control, a teacher of random init (docs/demos.md)
 MASTER_PORT ?= 29500
 JUDGE_PORT ?= 8011
-demo: venv
+TEACHER ?= taught
+TEACHER_DIR = runs/teacher-$(TEACHER)$(if $(ARCH),-$(ARCH))
+ifeq ($(TASK),distill)
+ifeq ($(filter $(TEACHER),taught untaught),)
+$(error TEACHER=$(TEACHER): taught or untaught)
+endif
+endif
+$(TEACHER_DIR)/done: tools/teach.py tiny.py | venv
+	$(PY) tools/teach.py --out $(TEACHER_DIR) $(if $(filter untaught,$(TEACHER)),--untaught) $(if $(ARCH),--arch $(ARCH))
+
+demo: venv $(if $(filter distill,$(TASK)),$(TEACHER_DIR)/done)
 ifeq ($(TASK),judge)
 	mkdir -p runs; $(PY) tools/judge_server.py --port $(JUDGE_PORT) > runs/judge_server.log 2>&1 & judge=$$!; \
 	trap "kill $$judge" EXIT; sleep 2; $(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py \
 	--output_dir runs/demo-judge --reward_funcs judge --judge_url http://127.0.0.1:$(JUDGE_PORT)/v1 --judge_model stand-in-judge \
 	$(if $(ARCH),--tiny_arch $(ARCH)) $(DEMO_FLAGS)
+else ifeq ($(TASK),distill)
+	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py --output_dir runs/demo-distill-$(TEACHER)$(if $(ARCH),-$(ARCH) \
+	--tiny_arch $(ARCH)) --teacher_model $(TEACHER_DIR) --reward_funcs accuracy --reward_weights 0 $(DEMO_FLAGS)
 else
 	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) train.py --output_dir runs/demo$(if $(TASK),-$(TASK) --tiny_task $(TASK))$(if $(ARCH),-$(ARCH) --tiny_arch $(ARCH)) $(DEMO_FLAGS)
 endif

@@ -32,15 +32,15 @@ def controls(task):
             "--val_data", os.path.join(folder, "val_first_frame.jsonl")]
 
 
-def validations(path):
-    """[(step, value)] of the validation rows in a run's metrics.jsonl so far."""
+def validations(path, key="val/reward"):
+    """[(step, value)] of the validation rows in a run's metrics.jsonl so far (`key`: their metric)."""
     if not os.path.exists(path):
         return []
     rows = [json.loads(line) for line in open(path) if line.endswith("\n")]
-    return [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+    return [(r["step"], r[key]) for r in rows if key in r]
 
 
-def run(task, seed, threshold, extra, procs, tag=""):
+def run(task, seed, threshold, extra, procs, tag="", key="val/reward"):
     out = os.path.join(ROOT, "runs", f"seeds-{task}{tag}-{seed}")
     shutil.rmtree(out, ignore_errors=True)   # a fresh run each time: --resume auto would continue an old one
     with socket.socket() as sock:   # a free port: two sweeps side by side must not share a rendezvous
@@ -55,7 +55,7 @@ def run(task, seed, threshold, extra, procs, tag=""):
                                env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true"))
         while job.poll() is None:
             time.sleep(5)
-            val = validations(os.path.join(out, "metrics.jsonl"))
+            val = validations(os.path.join(out, "metrics.jsonl"), key)
             if len(val) >= 2 and min(v for _, v in val[-2:]) >= threshold:
                 os.killpg(job.pid, signal.SIGTERM)   # held twice: enough for the report; checkpoint, exit 75
                 job.wait()
@@ -65,7 +65,7 @@ def run(task, seed, threshold, extra, procs, tag=""):
                 time.sleep(0.5)
             except ProcessLookupError:
                 break
-    val = validations(os.path.join(out, "metrics.jsonl"))
+    val = validations(os.path.join(out, "metrics.jsonl"), key)
     first = next((s for s, v in val if v >= threshold), None)
     return dict(seed=seed, first=first, best=max(val, key=lambda sv: sv[1]) if val else None,
                 last=val[-1] if val else None, minutes=(time.time() - start) / 60, rc=job.returncode, val=val)
@@ -112,6 +112,8 @@ def main():
     p.add_argument("--threshold", type=float, default=0.9,
                    help="greedy validation reward (the grounding task's is its IoU)")
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--metric", default="val/reward",
+                   help="the validation metric the threshold reads (val/accuracy where the reward's weight is 0)")
     p.add_argument("--tag", default="",
                    help="runs/seeds-<task><tag>-<seed>: two sweeps side by side need their own folders")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -121,7 +123,7 @@ def main():
         extra, a.tag = controls(a.task) + extra, a.tag + "-control"
     results = []
     for seed in a.seeds:
-        results.append(run(a.task, seed, a.threshold, extra, a.procs, a.tag))
+        results.append(run(a.task, seed, a.threshold, extra, a.procs, a.tag, a.metric))
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{a.task}, {a.procs} processes, flags: {' '.join(extra) or '(the defaults)'}; "
           "greedy validation every 10 steps")
