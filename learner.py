@@ -50,7 +50,7 @@ def distill(run, comps, m):
     """--teacher_model: each completion's advantage becomes (n,), plus teacher_coef x (teacher - pi_old log-prob) per
     token, detached: a sampled reverse KL to the teacher as a per-token reward. Logs train/teacher_kl, the mean of
     pi_old - teacher over the scored completions' trained tokens."""
-    if run.teacher_engine is None:
+    if not run.args.teacher_model:
         return
     for c in comps:
         gap = c.teacher_logps - c.old_logps                                             # (n,)

@@ -93,11 +93,11 @@ def test_the_teachers_log_probs_and_the_advantage(world1, teacher_dir):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     comps = [c for g in groups for c in g.completions]
     assert max((c.teacher_logps - c.old_logps).abs().max() for c in comps) > 1e-3   # another model
-    teacher, run.teacher_engine = run.teacher_engine, None
+    teacher, run.args.teacher_model = run.args.teacher_model, None
     train.advantages(run, groups, train.Metrics())
     group = [c.advantage for c in comps]   # the group's alone, one per completion
     assert len(set(group)) > 1
-    run.teacher_engine = teacher
+    run.args.teacher_model = teacher
     m = train.Metrics()
     train.advantages(run, groups, m)
     for c, a in zip(comps, group):
