@@ -12,13 +12,12 @@ import pytest
 import torch
 from PIL import Image
 from test_checkpoint import Stream, engine_of
-from test_step import FakeEngine, FakeLLM, colour_answer, make_run
+from test_step import FakeLLM, colour_answer, fake_update, make_run
 
 import checkpoint
 import data
 import flags
 import judge
-import learner
 import logs
 import memory
 import model as model_py
@@ -133,20 +132,7 @@ def test_max_micro_batch_caps_the_derived_micro_batch():
 def clipped_step(parts, tmp_path, **given):
     """One step of 2 iterations -> (policy, stats), at a learning rate (10) where the second iteration's ratios
     leave 1 +- 0.2 but not all of them 1 +- 0.9, so that the two clips give different steps."""
-    tok = parts[0].tokenizer
-    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
-    answers = [[red], [red, blue, red], [blue, red], [blue]]
-    run, samples = make_run(parts, tmp_path, max_completion_length=4, num_iterations=2,
-                            vllm_importance_sampling_correction="none", **given)
-    run.llm = FakeLLM(tok, lambda request, k: answers[k])
-    run.engine = FakeEngine(len(tok), run.gas, lr=10.0)
-    groups = train.rollout_groups(run, samples, step=1)
-    train.score(run, groups)
-    batches = train.micro_batches(run, groups)
-    learner.old_ref_logps(run, batches)
-    train.advantages(run, groups, {})
-    stats = learner.update(run, batches, train.Metrics())
-    return run.engine.module.w.detach().clone(), stats
+    return fake_update(parts, tmp_path, 10.0, num_iterations=2, **given)
 
 
 def test_epsilon_clips_the_ratio(parts, tmp_path):

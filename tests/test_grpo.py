@@ -3,11 +3,10 @@ import math
 
 import pytest
 import torch
-from test_step import FakeEngine, FakeLLM, make_run
+from test_step import fake_update
 
 import flags
 import grpo
-import learner
 import startup
 import train
 from conftest import allocations
@@ -544,20 +543,7 @@ def test_gmpo_refuses_per_token_advantages_and_both_refuse_a_sequence_ratio():
 def one_step(parts, tmp_path, **flags):
     """A step of learner.update on the fake unigram policy, completions of 1 to 3 tokens sampled at log-prob -1, a
     large learning rate so that a second iteration's ratios are far from 1 -> (the policy after it, the logged)."""
-    tok = parts[0].tokenizer
-    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
-    answers = [[red], [red, blue, red], [blue, red], [blue]]
-    run, samples = make_run(parts, tmp_path, max_completion_length=4, vllm_importance_sampling_correction="none",
-                            entropy_coef=0.0, **flags)
-    run.llm = FakeLLM(tok, lambda request, k: answers[k])
-    run.engine = FakeEngine(len(tok), run.gas, lr=100.0)
-    groups = train.rollout_groups(run, samples, step=1)
-    train.score(run, groups)
-    batches = train.micro_batches(run, groups)
-    learner.old_ref_logps(run, batches)
-    train.advantages(run, groups, {})
-    logged = learner.update(run, batches, train.Metrics())
-    return run.engine.module.w.detach().clone(), logged
+    return fake_update(parts, tmp_path, 100.0, entropy_coef=0.0, **flags)
 
 
 def test_loss_type_reaches_the_loss_through_the_update(parts, tmp_path):

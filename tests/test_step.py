@@ -148,6 +148,25 @@ def make_run(parts, tmp_path, **flags):
     return run, samples
 
 
+def fake_update(parts, tmp_path, lr, **flags):
+    """A step of learner.update on the fake unigram policy at learning rate `lr`, completions of 1 to 3 tokens sampled
+    at log-prob -1 -> (the policy after it, the update's stats)."""
+    tok = parts[0].tokenizer
+    red, blue = tok.convert_tokens_to_ids("red"), tok.convert_tokens_to_ids("blue")
+    answers = [[red], [red, blue, red], [blue, red], [blue]]
+    run, samples = make_run(parts, tmp_path, max_completion_length=4, vllm_importance_sampling_correction="none",
+                            **flags)
+    run.llm = FakeLLM(tok, lambda request, k: answers[k])
+    run.engine = FakeEngine(len(tok), run.gas, lr=lr)
+    groups = train.rollout_groups(run, samples, step=1)
+    train.score(run, groups)
+    batches = train.micro_batches(run, groups)
+    learner.old_ref_logps(run, batches)
+    train.advantages(run, groups, {})
+    stats = learner.update(run, batches, train.Metrics())
+    return run.engine.module.w.detach().clone(), stats
+
+
 def groups_of(samples, lengths, advantages=None, logp=-1.0):
     """Groups of completions of the given lengths (token 5 repeated), sampled at log-prob `logp`, scored (total
     0), with the given advantages per group (default: 1, -1, 0.5, -0.5 in each)."""
