@@ -50,6 +50,15 @@ def start(out_dir, flags=FLAGS, procs=2, name="killed", wrap=(), env=None, runne
                             preexec_fn=terminal_signals), path
 
 
+def kill_at_checkpoint_2(out_dir, flags, **start_kw):
+    """Start the run (start's keywords) and SIGKILL its process group once checkpoint-2 is there."""
+    p, _ = start(out_dir, flags, **start_kw)
+    while not os.path.isdir(os.path.join(out_dir, "checkpoint-2")) and p.poll() is None:
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
 def start_and_kill(out_dir, when, hold=None):
     """SIGKILL the whole process group (launcher + ranks) once when(this launch's log) holds. With hold (a
     checkpoint's name) that checkpoint's rename waits for the kill: tests/slow_disk, a disk slow enough
@@ -528,11 +537,7 @@ def test_lora_resumes_exactly_after_a_kill_and_its_adapter_loads_in_peft_and_vll
              "--learning_rate", "1e-2"]
     full, _ = launch(tmp_path / "full", *flags, "--export_merged")
     run = tmp_path / "run"
-    p, log = start(run, flags)
-    while not (run / "checkpoint-2").is_dir() and p.poll() is None:
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_at_checkpoint_2(run, flags)
     rows_, log = launch(run, *flags)
     assert "checkpoint-2: step 2" in log
     assert_same(full, rows_)
@@ -614,11 +619,7 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, tiny_default):
 
     import data
     flags = [*FAST, "--max_steps", "4", "--save_steps", "2", "--val_freq", "0", "--no-save_final_model"]
-    p, _ = start(tmp_path, flags, procs=1, name="one")
-    while not (tmp_path / "checkpoint-2").is_dir() and p.poll() is None:
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_at_checkpoint_2(tmp_path, flags, procs=1, name="one")
     t = time.time()
     out, log = launch(tmp_path, *flags)
     print(f"resumed on two processes in {time.time() - t:.0f} s")

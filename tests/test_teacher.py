@@ -7,8 +7,6 @@ import glob
 import json
 import os
 import shutil
-import signal
-import time
 import types
 
 import pytest
@@ -180,17 +178,13 @@ def test_a_mixture_of_experts_student_distils_a_step(tmp_path):
 def test_lora_distillation_on_two_ranks_resumes_exactly_after_a_kill(tmp_path, teacher_dir):
     """--use_peft --teacher_model on 2 ranks: a run SIGKILLed after checkpoint-2 and relaunched ends bitwise as the
     uninterrupted one (the teacher is frozen: nothing saved, loaded again alike)."""
-    from test_resume import assert_same, start
+    from test_resume import assert_same, kill_at_checkpoint_2
     flags = [*FAST, "--beta", "0", "--max_steps", "3", "--val_freq", "0", "--save_steps", "2", "--use_peft",
              "--lora_r", "8", "--learning_rate", "1e-2", "--teacher_model", teacher_dir, "--teacher_coef", "0.5",
              "--no-save_final_model"]
     full, _ = launch(tmp_path / "full", *flags)
     run = tmp_path / "run"
-    p, _ = start(run, flags)
-    while not (run / "checkpoint-2").is_dir() and p.poll() is None:
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_at_checkpoint_2(run, flags)
     rows, log = launch(run, *flags)
     assert "checkpoint-2: step 2" in log
     assert_same(full, rows)
