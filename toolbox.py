@@ -395,7 +395,7 @@ def answer(pending, processor, args):
     repeated on one sample runs once and its trajectories share its images; one processor call serves the turn. A
     result past --limit_images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
-    texts = {}   # a message's text parts, None for each image -> its template text (response)
+    rendered = {}   # a message's text parts, None for each image -> its template text (response)
     for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
         if (id(sample), t["turns"][-1]) not in ran:
             ran[id(sample), t["turns"][-1]] = start_call(t["turns"][-1], sample, sample["tools"])
@@ -412,9 +412,9 @@ def answer(pending, processor, args):
                      f"{args.limit_images} images already (the prompt's and the tools'); counted in tools/failure_frac")
         t["calls"].append((call, error, kind))
         shape = tuple(p if isinstance(p, str) else None for p in parts)   # all the template's text depends on
-        if shape not in texts:
-            texts[shape] = response(processor, parts)
-        text = texts[shape]
+        if shape not in rendered:
+            rendered[shape] = response(processor, parts)
+        text = rendered[shape]
         which.append(messages.setdefault((text, tuple(map(id, images))), (len(messages), text, images))[0])
     rows = list(messages.values())
     texts, flat = [text for _, text, _ in rows], [im for _, _, images in rows for im in images]
