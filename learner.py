@@ -21,7 +21,7 @@ def old_ref_logps(run, batches):
     with torch.no_grad():
         for b in batches:
             # pi_old before the advantages: with --kl_in_reward and --teacher_model they read it
-            if args.num_iterations > 1 or args.kl_in_reward or run.teacher_engine is not None:
+            if args.num_iterations > 1 or args.kl_in_reward or args.teacher_model:
                 from_rows(b, "old_logps", completion_logps(run.engine, b, run).logps)
             if run.ref_engine is not None:
                 from_rows(b, "ref_logps", completion_logps(run.ref_engine, b, run).logps)
@@ -34,12 +34,11 @@ def old_ref_logps(run, batches):
 def frozen_logps(run, batches):
     """--teacher_model's and --reward_model's log-probs of the completions onto the records (teacher_logps,
     scorer_logps), without grad, over the policy's micro-batches (its collated inputs and images): the teacher's of
-    the sampled distribution as pi_old's, the reward model's at temperature 1. No routing replay: vLLM's experts are
-    the policy's."""
+    the sampled distribution as pi_old's, the reward model's at temperature 1. They run before update adds the routing
+    replay's experts to the inputs (policy_forward): vLLM's experts are the policy's."""
     plain = grpo.Sampling(banned=run.sampling.banned)
     with torch.no_grad():
         for b in batches:
-            b = dict(b, inputs={k: v for k, v in b["inputs"].items() if k != "routed_experts"})
             for engine, name, sampling in ((run.teacher_engine, "teacher_logps", None),
                                            (run.reward_engine, "scorer_logps", plain)):
                 if engine is not None:
