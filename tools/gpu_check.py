@@ -506,7 +506,11 @@ def realsize_update(config, cases, groups, device="cuda", dtype=torch.bfloat16, 
             loss, _ = grpo.grpo_loss(ts.logps, ts.logps.detach(), adv, cmask)
             loss.backward()
         with plain_linear():   # a plain module's update, whatever ZeRO-3 engine this process built before
-            step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))   # warm-up; the gradients exist then
+            if device == "cuda":   # warm-up: kernels and workspaces load; the gradients exist then
+                step(min(batches, key=lambda b: b["inputs"]["input_ids"].numel()))
+            else:   # a CPU loads nothing a pass keeps: the gradients alone, as the warm-up would leave them
+                for q in hf.parameters():
+                    q.grad = torch.zeros_like(q)
             peaks = []
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             sync()

@@ -48,6 +48,25 @@ def greedy_accuracy(model, proc, prepared):
     return sum(reward.accuracy(answers, [s["columns"]["solution"] for s in prepared])) / len(prepared)
 
 
+def taught_batch(picks, tails):
+    """Prepared samples -> (inputs, labels): each prompt (its data.prepare tensors) followed by the ids of its gold
+    answer and <|im_end|> (`tails`: {answer: ids}), the prompt masked; what the processor makes of the same texts and
+    images, without processing them again. One tail length: the demo's answers are one token."""
+    tail = [tails[s["columns"]["solution"]] for s in picks]
+    if len({len(t) for t in tail}) > 1:
+        raise ValueError(f"teach: answers of {sorted({len(t) for t in tail})} tokens; the demo's are one token each")
+    hf = [s["hf"] for s in picks]
+    ids = torch.cat([torch.cat([h["input_ids"], torch.tensor([t])], 1) for h, t in zip(hf, tail)])   # (B, P + A)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "mm_token_type_ids": torch.nn.functional.pad(torch.cat([h["mm_token_type_ids"] for h in hf]),
+                                                           (0, len(tail[0]))),
+              "pixel_values": torch.cat([h["pixel_values"] for h in hf]),
+              "image_grid_thw": torch.cat([h["image_grid_thw"] for h in hf])}
+    labels = ids.clone()
+    labels[:, :hf[0]["input_ids"].shape[1]] = -100
+    return inputs, labels
+
+
 def teach(out, arch="qwen2_5_vl", untaught=False, steps=500, batch=16, lr=1e-3, seed=0):
     """Write the teacher to `out` (the student's folder, its weights taught or re-drawn) -> its greedy accuracy on
     the validation images."""
@@ -59,12 +78,14 @@ def teach(out, arch="qwen2_5_vl", untaught=False, steps=500, batch=16, lr=1e-3, 
     else:
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32)
         train, rng = samples(args.train_data, proc, args), random.Random(seed)
-        prompt = proc.tokenizer.decode(train[0]["vllm_ids"])   # the same question on every row
+        tails = {a: proc.tokenizer(a + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                 for a in {s["columns"]["solution"] for s in train}}
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        for _ in range(steps):
-            picks = rng.sample(train, batch)
-            tiny.supervised_step(model, proc, opt, prompt, picks[0]["hf"]["input_ids"].shape[1],
-                                 [s["images"][0] for s in picks], [s["columns"]["solution"] for s in picks])
+        for _ in range(steps):   # next-token loss on the answers, as tiny.supervised_step
+            inputs, labels = taught_batch(rng.sample(train, batch), tails)
+            model(**inputs, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
     model.eval()
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(args.model, out, ignore=shutil.ignore_patterns("*.safetensors*"))   # all but the weights
