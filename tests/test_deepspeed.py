@@ -275,17 +275,18 @@ model_dir, train_jsonl, modes = sys.argv[1:4]
 dist.init_process_group("gloo")
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
-for mode in modes.split(","):   # each mode a fresh engine: the even and budget runs share the processes
-    args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size",
-                             "2", "--logprob_chunk_tokens", "1",
-                             "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
+flags = ["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size", "2",
+         "--logprob_chunk_tokens", "1", "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]
+processor = AutoProcessor.from_pretrained(model_dir)
+samples = [data.prepare(row, processor, train.parse_args(flags)) for row in data.read_jsonl(train_jsonl)[:2]]
+P = samples[0]["hf"]["input_ids"].shape[1]
+for mode in modes.split(","):   # each mode a fresh engine in the same two processes; uneven, which aborts, goes last
+    print("START", mode, flush=True)
+    args = train.parse_args(flags)
     cfg = model.ds_config(args, 1, 2, bf16=False)
     keep = HfDeepSpeedConfig(cfg)
     policy = model.load_model(model_dir, args, torch.float32)
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
-    processor = AutoProcessor.from_pretrained(model_dir)
-    samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
-    P = samples[0]["hf"]["input_ids"].shape[1]
     if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
         args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
     else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
@@ -307,7 +308,8 @@ for mode in modes.split(","):   # each mode a fresh engine: the even and budget 
 
 
 def two_ranks(tiny_default, modes):
-    """Both ranks' output of UNEVEN run over `modes` (comma-separated) in one pair of processes, or None on a hang."""
+    """(both ranks' output of UNEVEN run over `modes` (comma-separated) in one pair of processes, whether they hung:
+    killed after 600 s, their output up to then)."""
     import subprocess
     import sys
 
@@ -319,9 +321,11 @@ def two_ranks(tiny_default, modes):
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:
         # a hang, not a slow machine: 90 s failed beside other jobs
-        return [p.communicate(timeout=600)[0] for p in procs]
+        return [p.communicate(timeout=600)[0] for p in procs], False
     except subprocess.TimeoutExpired:
-        return None
+        for p in procs:
+            p.kill()
+        return [p.communicate()[0] for p in procs], True
     finally:
         for p in procs:
             p.kill()
@@ -329,12 +333,13 @@ def two_ranks(tiny_default, modes):
 
 @pytest.fixture(scope="module")
 def stepped(tiny_default):
-    """The even and budget runs, which both complete, in one pair of ranks (two process starts less)."""
-    return two_ranks(tiny_default, "even,budget")
+    """The three runs in one pair of ranks (two process starts less): even and budget, which complete, then uneven,
+    which aborts the group."""
+    return two_ranks(tiny_default, "even,budget,uneven")
 
 
 @pytest.mark.parametrize("mode", ["even", "uneven", "budget"])
-def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, mode, request):
+def test_ranks_with_different_widths_make_as_many_calls(stepped, mode):
     """No global padding, on two ranks with every parameter partitioned (ZeRO-3) and one token per
     log-prob chunk. even: micro-batches of 2 and 10 completion tokens; train.micro_batches gives both
     ranks 10 chunks and the step completes. uneven: each rank with its own count (2 and 10) is what that
@@ -342,14 +347,14 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
     collective mismatch") where NCCL would hang. budget (--micro_batch_tokens): rank 0's sequences fit one
     micro-batch and rank 1's need two; rank 0 splits its own, and both ranks take one optimizer step over
     their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas)."""
+    outs, hung = stepped
     expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
     if expect:
-        outs = request.getfixturevalue("stepped")
-        assert outs and all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), \
-            outs and [o[-2000:] for o in outs]
+        assert all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), [o[-2000:] for o in outs]
     else:
-        outs = two_ranks(tiny_default, mode)
-        assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
+        uneven = [o.partition("START uneven\n") for o in outs]   # what the ranks said in the uneven run alone
+        assert all(started for _, started, _ in uneven), [o[-1500:] for o in outs]
+        assert hung or "collective mismatch" in "".join(said for *_, said in uneven), [o[-1500:] for o in outs]
 
 
 def test_test_ports_are_below_the_ephemeral_range_and_apart_per_process():
