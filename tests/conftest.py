@@ -138,6 +138,54 @@ def free_port():
     raise RuntimeError(f"no free port in {first}..{first + 1023}")
 
 
+FORKED = """
+import os, signal, sys, traceback
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+from {module} import {name} as fn
+pids = []
+for rank in range({nprocs}):
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(rank, *{args!r})
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    pids.append(pid)
+failed = 0
+while pids:   # a rank that fails takes the others down, as torch.multiprocessing.spawn does
+    pid, status = os.wait()
+    pids.remove(pid)
+    if os.waitstatus_to_exitcode(status) != 0 and not failed:
+        failed = 1
+        for other in pids:
+            os.kill(other, signal.SIGKILL)
+sys.exit(failed)
+"""
+
+
+def forked_ranks(fn, *args, nprocs=2, timeout=600):
+    """fn(rank, *args) on `nprocs` processes forked from one fresh Python that imported fn's module once (a rank's
+    imports are most of its cost); fails with their output if any rank fails, or all are still running at `timeout`.
+    fn is a module-level function of tests/ and args plain literals; fn makes its own process group."""
+    import signal
+    code = FORKED.format(root=ROOT, module=fn.__module__, name=fn.__name__, nprocs=nprocs, args=args)
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        out = p.communicate(timeout=timeout)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)   # the forked ranks too
+        p.wait()
+    assert p.returncode == 0, out[-5000:]
+    return out
+
+
 @pytest.fixture(scope="session")
 def world1():
     """torch.distributed with one gloo rank (no DeepSpeed): the step's collectives run as they do
