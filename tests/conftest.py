@@ -138,6 +138,66 @@ def free_port():
     raise RuntimeError(f"no free port in {first}..{first + 1023}")
 
 
+FORKED = """
+import os, signal, sys, traceback
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+from {module} import {name} as fn
+sys.stdout.flush()
+sys.stderr.flush()
+pids = []
+for rank in range({nprocs}):
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(os.path.join({logs!r}, f"rank{{rank}}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)   # each rank's output apart, as a process of its own would have it
+        os.dup2(log, 2)
+        code = 0
+        try:
+            fn(rank, *{args!r})
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    pids.append(pid)
+failed = 0
+while pids:   # a rank that fails takes the others down, as torch.multiprocessing.spawn does
+    pid, status = os.wait()
+    pids.remove(pid)
+    if os.waitstatus_to_exitcode(status) != 0 and not failed:
+        failed = 1
+        for other in pids:
+            os.kill(other, signal.SIGKILL)
+sys.exit(failed)
+"""
+
+
+def forked_ranks(fn, *args, nprocs=2, timeout=600):
+    """fn(rank, *args) on `nprocs` processes forked from one fresh Python that imported fn's module once (a rank's
+    imports are most of its cost) -> (each rank's output, rank 0's after its parent's; the exit code: 0 when every
+    rank returned, None when they were still running at `timeout`, killed). fn is a module-level function of tests/,
+    args plain literals; fn makes its own process group."""
+    import signal
+    import tempfile
+    with tempfile.TemporaryDirectory() as logs:
+        code = FORKED.format(root=ROOT, module=fn.__module__, name=fn.__name__, nprocs=nprocs, args=args, logs=logs)
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, code = p.communicate(timeout=timeout)[0], p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, code = p.communicate()[0], None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)   # the forked ranks too
+            p.wait()
+        ranks = [open(path, errors="replace").read() if os.path.exists(path := os.path.join(logs, f"rank{r}.log"))
+                 else "" for r in range(nprocs)]
+    return [out + ranks[0], *ranks[1:]], code
+
+
 @pytest.fixture(scope="session")
 def world1():
     """torch.distributed with one gloo rank (no DeepSpeed): the step's collectives run as they do

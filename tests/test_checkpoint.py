@@ -385,6 +385,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_through_the_universal_checkpoi
     manifest still verifies, and resume loads the weights, Adam's moments, the step and the schedule exactly as a load
     on the same number of ranks does; the data goes on where both ranks were, and rank 0's random streams go on. Before,
     this was refused."""
+    import functools
+    monkeypatch.setattr(checkpoint, "to_universal", functools.partial(checkpoint.to_universal, poll_s=0.05))
     path = tmp_path / "train.jsonl"
     text_rows(path, 40)
     engine, args = engine_of("--output_dir", str(tmp_path / "run"), "--train_data", str(path), "--learning_rate", "0.1")
@@ -417,6 +419,10 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_through_the_universal_checkpoi
     assert stream.epoch == 0 and stream.consumed[0] == {i for s in ranks for i in range(40)
                                                          if s.rows[i]["_id"] in s.history}
     assert stream.history == {**ranks[0].history, **ranks[1].history} and random.getstate() == saved_rng["python"]
+    made = tmp_path / "made"   # DeepSpeed's conversion of the same shards, which the remake copies
+    shutil.copytree(ckpt / "universal" / "zero", made)
+    monkeypatch.setattr(checkpoint, "universal_command", lambda ckpt, out: ["cp", "-r", str(made),
+                                                                              os.path.join(out, "zero")])
     os.remove(next((ckpt / "universal" / "zero" / "zero").glob("*/exp_avg.pt")))   # damaged: made again
     assert checkpoint.to_universal(str(ckpt), 0) == str(ckpt / "universal")
     assert "universal is not whole: made again" in capsys.readouterr().out

@@ -1,15 +1,20 @@
 """DeepSpeed decisions in-process: the real DeepSpeed engine (ZeRO-3, CPU offload) on one gloo rank."""
 import os
+import types
 
+import deepspeed
 import pytest
 import torch
+import torch.distributed as dist
+from transformers import AutoProcessor
+from transformers.integrations import HfDeepSpeedConfig
 
+import data
 import model
 import train
 
 
 def ds_engine(flags, net=None):
-    import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2",
                              "--per_device_train_batch_size", "2", *flags])
     gas = train.grad_accumulation_steps(args, 1)
@@ -21,7 +26,6 @@ def ds_engine(flags, net=None):
 
 
 def weights(engine):
-    import deepspeed
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
 
@@ -136,7 +140,6 @@ def test_offload_model_with_a_frozen_parameter_is_refused(world1):
 
 
 def test_bf16_gradients_accumulate_in_fp32(world1):
-    import deepspeed
     args = train.parse_args(["--rollout_batch_size", "1", "--num_generations", "2",
                              "--per_device_train_batch_size", "2"])
     gas = train.grad_accumulation_steps(args, 1)
@@ -174,8 +177,6 @@ def test_reference_is_sharded_by_its_own_config(world1, tiny_default, monkeypatc
 def test_offload_buffers_stay_out_of_checkpoints_and_are_dropped_after_a_load(world1, tmp_path):
     """DeepSpeed's own offload_adam_states (what offload_states runs for optimizer states) leaves
     <key>_offload_buffer in the optimizer state; before, checkpoints carried them."""
-    import types
-
     from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
 
     import checkpoint
@@ -265,76 +266,57 @@ def test_a_relaunch_with_a_longer_schedule_trains_at_its_own_rate(world1, tmp_pa
     assert longer.get_lr() == pytest.approx([0.005])   # 0.01 x (1 + cos(pi x 2 / 4)) / 2
 
 
-UNEVEN = """
-import sys, types
-import torch, torch.distributed as dist, deepspeed
-from transformers import AutoProcessor
-from transformers.integrations import HfDeepSpeedConfig
-import data, model, train
-model_dir, train_jsonl, modes = sys.argv[1:4]
-dist.init_process_group("gloo")
-deepspeed.init_distributed(dist_backend="gloo")
-rank = dist.get_rank()
-for mode in modes.split(","):   # each mode a fresh engine: the even and budget runs share the processes
-    args = train.parse_args(["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size",
-                             "2", "--logprob_chunk_tokens", "1",
-                             "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"])
-    cfg = model.ds_config(args, 1, 2, bf16=False)
-    keep = HfDeepSpeedConfig(cfg)
-    policy = model.load_model(model_dir, args, torch.float32)
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
+def _widths(rank, port, model_dir, train_jsonl, modes):
+    """One of two ranks: a step of each mode of `modes` (comma-separated), each on a fresh engine; prints START and
+    STEPPED lines (the micro-batches' chunks, the optimizer steps)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    flags = ["--rollout_batch_size", "4", "--num_generations", "2", "--per_device_train_batch_size", "2",
+             "--logprob_chunk_tokens", "1", "--ds_set", "zero_optimization.stage3_param_persistence_threshold=0"]
     processor = AutoProcessor.from_pretrained(model_dir)
-    samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
+    samples = [data.prepare(row, processor, train.parse_args(flags)) for row in data.read_jsonl(train_jsonl)[:2]]
     P = samples[0]["hf"]["input_ids"].shape[1]
-    if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
-        args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
-    else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
-        widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
-    groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n, sampler_logps=[-1.0] * n,
-                                                                  text="", finish_reason="stop")
-                                                 for k, n in enumerate(w)])
-              for s, w in zip(samples, widths)]
-    run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id, sampling=train.grpo.Sampling(),
-                                device=torch.device("cpu"), rank=rank)
-    batches = train.micro_batches(run, groups)
-    for j, b in enumerate(batches):
-        ts = engine(**b["inputs"], chunks=b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel())
-        engine.set_gradient_accumulation_boundary(j == len(batches) - 1)
-        engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
-        engine.step()
-    print("STEPPED", mode, rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
-"""
-
-
-def two_ranks(tiny_default, modes):
-    """Both ranks' output of UNEVEN run over `modes` (comma-separated) in one pair of processes, or None on a hang."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT, free_port
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", UNEVEN, tiny_default[0], tiny_default[1], modes], cwd=ROOT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        # a hang, not a slow machine: 90 s failed beside other jobs
-        return [p.communicate(timeout=600)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        for p in procs:
-            p.kill()
+    for mode in modes.split(","):
+        print("START", mode, rank, flush=True)
+        args = train.parse_args(flags)
+        cfg = model.ds_config(args, 1, 2, bf16=False)
+        keep = HfDeepSpeedConfig(cfg)   # noqa: F841  alive while the model loads
+        policy = model.load_model(model_dir, args, torch.float32)
+        engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()), config=cfg)
+        if mode == "budget":   # rank 0: 4 one-token answers fit one micro-batch; rank 1's 30-token answer needs its own
+            args.micro_batch_tokens, widths = 4 * (P + 1), [[1, 1], [1, 1]] if rank == 0 else [[1, 1], [1, 30]]
+        else:                  # rank 0's micro-batches: 2 tokens, 2 chunks each; rank 1's: 10
+            widths = [[1, 1], [1, 1]] if rank == 0 else [[5, 5], [5, 5]]
+        groups = [train.Group(sample=s, completions=[train.Completion(index=k, token_ids=[5] * n,
+                                                                      sampler_logps=[-1.0] * n, text="",
+                                                                      finish_reason="stop")
+                                                     for k, n in enumerate(w)])
+                  for s, w in zip(samples, widths)]
+        run = types.SimpleNamespace(args=args, pad_id=processor.tokenizer.pad_token_id,
+                                    sampling=train.grpo.Sampling(), device=torch.device("cpu"), rank=rank)
+        batches = train.micro_batches(run, groups)
+        for j, b in enumerate(batches):
+            chunks = b["chunks"] if mode != "uneven" else b["inputs"]["completion_mask"].numel()
+            ts = engine(**b["inputs"], chunks=chunks)
+            engine.set_gradient_accumulation_boundary(j == len(batches) - 1)
+            engine.backward(-(ts.logps * b["inputs"]["completion_mask"]).sum())
+            engine.step()
+        print("STEPPED", mode, rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
 
 
 @pytest.fixture(scope="module")
 def stepped(tiny_default):
-    """The even and budget runs, which both complete, in one pair of ranks (two process starts less)."""
-    return two_ranks(tiny_default, "even,budget")
+    """(each rank's output, their exit code: None if still running after 600 s) of the three modes in one pair of
+    ranks forked after the imports: even and budget, which complete, then uneven, which aborts the group."""
+    from conftest import forked_ranks, free_port
+    # a hang, not a slow machine: 90 s failed beside other jobs
+    return forked_ranks(_widths, free_port(), tiny_default[0], tiny_default[1], "even,budget,uneven", timeout=600)
 
 
 @pytest.mark.parametrize("mode", ["even", "uneven", "budget"])
-def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, mode, request):
+def test_ranks_with_different_widths_make_as_many_calls(stepped, mode):
     """No global padding, on two ranks with every parameter partitioned (ZeRO-3) and one token per
     log-prob chunk. even: micro-batches of 2 and 10 completion tokens; train.micro_batches gives both
     ranks 10 chunks and the step completes. uneven: each rank with its own count (2 and 10) is what that
@@ -342,14 +324,15 @@ def test_ranks_with_different_widths_make_as_many_calls(tmp_path, tiny_default, 
     collective mismatch") where NCCL would hang. budget (--micro_batch_tokens): rank 0's sequences fit one
     micro-batch and rank 1's need two; rank 0 splits its own, and both ranks take one optimizer step over
     their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas)."""
+    outs, code = stepped
     expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
     if expect:
-        outs = request.getfixturevalue("stepped")
-        assert outs and all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), \
-            outs and [o[-2000:] for o in outs]
+        assert all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), [o[-2000:] for o in outs]
     else:
-        outs = two_ranks(tiny_default, mode)
-        assert outs is None or "collective mismatch" in "".join(outs), [o[-1500:] for o in outs]
+        uneven = [o.partition(f"START uneven {r}\n") for r, o in enumerate(outs)]
+        assert all(started for _, started, _ in uneven), [o[-1500:] for o in outs]
+        said = "".join(said for *_, said in uneven)   # what the ranks said in the uneven run alone
+        assert code is None or "collective mismatch" in said, [o[-1500:] for o in outs]
 
 
 def test_test_ports_are_below_the_ephemeral_range_and_apart_per_process():

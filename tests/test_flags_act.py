@@ -377,10 +377,12 @@ def test_the_wandb_run_takes_its_project_and_name(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the judge's requests
 class Judge:
     """A judge on 127.0.0.1 that records each request (its model, whether it carried a key, how many were in flight)
-    and replies `reply`, after `delay_s`, the first `fail_first` requests with a 503."""
-    def __init__(self, reply="yes", delay_s=0.0, fail_first=0):
-        self.reply, self.delay_s, self.fail_first = reply, delay_s, fail_first
+    and replies `reply`, after `delay_s` (or as soon as `together` requests are in flight), the first `fail_first`
+    requests with a 503."""
+    def __init__(self, reply="yes", delay_s=0.0, fail_first=0, together=None):
+        self.reply, self.delay_s, self.fail_first, self.together = reply, delay_s, fail_first, together
         self.requests, self.live, self.most, self.lock = [], 0, 0, threading.Lock()
+        self.all_in = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -390,7 +392,9 @@ class Judge:
                     outer.requests.append({"model": body["model"], "key": self.headers.get("Authorization")})
                     n, outer.live = len(outer.requests), outer.live + 1
                     outer.most = max(outer.most, outer.live)
-                time.sleep(outer.delay_s)
+                    if outer.together and outer.live >= outer.together:
+                        outer.all_in.set()
+                outer.all_in.wait(outer.delay_s)
                 with outer.lock:
                     outer.live -= 1
                 code, reply = (503, {}) if n <= outer.fail_first else \
@@ -406,7 +410,7 @@ class Judge:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()   # close() waits a poll
 
     def close(self):
         self.server.shutdown()
@@ -454,9 +458,9 @@ def test_judge_parser_reads_the_reply(ask):
 
 
 def test_judge_concurrency_is_the_requests_in_flight(ask):
-    most = []
-    for argv in (["--judge_concurrency", "1"], ["--judge_concurrency", "4"]):
-        server = Judge(delay_s=0.3)
+    most = []   # each request held until all 4 are in flight: 0.1 s each one at a time, released at once 4 at a time
+    for argv, hold_s in ((["--judge_concurrency", "1"], 0.1), (["--judge_concurrency", "4"], 60.0)):
+        server = Judge(delay_s=hold_s, together=4)
         try:
             assert ask(server, *argv, n=4) == [1.0] * 4
         finally:

@@ -5,89 +5,79 @@ five changes built on them (--temperature_end, --pass_at_k, --ref_ema, the proce
 import argparse
 import math
 import os
-import subprocess
-import sys
 
+import deepspeed
 import pytest
 import torch
+import torch.distributed as dist
+from test_moe import batch_of
 from test_step import G, groups_of, make_run
+from transformers.integrations import HfDeepSpeedConfig
 
+import checkpoint
 import grpo
 import learner
+import model
 import reward
 import train
-from conftest import ROOT, free_port, tiny_of
+from conftest import forked_ranks, free_port, tiny_of
+
 
 # ----------------------------------------------------------------------------- ZeRO-3 parameters edited in place
-ZERO3_REFERENCE = r"""
-import os, sys
-sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-import deepspeed
-deepspeed.init_distributed(dist_backend="gloo")
-from transformers.integrations import HfDeepSpeedConfig
-import checkpoint, model, train
-from test_moe import batch_of
-from conftest import tiny_of
-rank, world, out = dist.get_rank(), dist.get_world_size(), sys.argv[1]
-# the shipped ds_zero3.json: parameters under stage3_param_persistence_threshold (1e5: every one of the tiny model's)
-# stay whole on every rank, and the shards live in host RAM (offload_param cpu)
-args = train.parse_args(["--model", tiny_of()[0], "--per_device_train_batch_size", "2", "--ref_ema", "0.5",
-                         "--min_pixels", "784", "--max_pixels", "3136"])   # the colour task's images: 4 tokens
-cfg = model.ds_config(args, 1, world, False)
-keep = HfDeepSpeedConfig(cfg)
-engine, *_ = deepspeed.initialize(model=(policy := model.load_model(args.model, args, torch.float32)),
-                                  model_parameters=list(policy.parameters()), config=cfg)
-ref = model.load_reference(args, torch.float32, model.reference_config(cfg, args.ref_offload))
-b = batch_of("qwen2_5_vl", args, image=True)
-ts = engine(**b)
-engine.backward(-ts.logps.sum() * 100)   # one optimizer step takes the policy away from the reference
-engine.step()
-named, pol = list(ref.module.named_parameters()), dict(engine.module.named_parameters())
-with torch.no_grad():
-    ref(**b)   # DeepSpeed's first forward traces the module and releases all; from the second, persistent ones stay
-    want, before = engine(**b).logps, ref(**b).logps   # gathered whole on every rank
-    for n, p in named:   # the naive edit: every partition copied, the whole copies on each rank left as they are
-        p.ds_tensor.data.copy_(pol[n].ds_tensor.data)
-    naive = ref(**b).logps
-    model.update_params([p for _, p in named], [[pol[n]] for n, _ in named], lambda r, s: r.copy_(s))
-    edited = ref(**b).logps
-    # an EMA step in fp32 masters (as learner.reference_step keeps them beside bf16), then the reference's own state
-    masters = [p.ds_tensor.detach().float().clone() + 1.0 for _, p in named]
-    model.update_params([p for _, p in named], [[pol[n], m] for (n, _), m in zip(named, masters)],
-                        lambda r, p, m: r.copy_(m.lerp_(p.float(), 0.5)))
-    torch.save(checkpoint.reference_parts(ref, masters), os.path.join(out, f"reference{rank}.pt"))
-    full = {}
-    for n, p in named:
-        with deepspeed.zero.GatheredParameters([p]):
-            full[n] = p.detach().clone()
-    if rank == 0:
-        torch.save(full, os.path.join(out, "full.pt"))
-persistent = sum(p.ds_persist for _, p in named)
-print(f"RESULT rank {rank} persistent {persistent}/{len(named)} naive {(naive - want).abs().max().item():.3e} "
-      f"before {(before - want).abs().max().item():.3e} edited {(edited - want).abs().max().item():.3e}", flush=True)
-"""
+def _zero3_reference(rank, port, out):
+    """One of two ranks: the shipped ds_zero3.json's engine and reference, edited in place; prints its RESULT line
+    and saves its reference parts (and rank 0 the gathered whole) into `out`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    # the shipped ds_zero3.json: parameters under stage3_param_persistence_threshold (1e5: every one of the tiny
+    # model's) stay whole on every rank, and the shards live in host RAM (offload_param cpu)
+    args = train.parse_args(["--model", tiny_of()[0], "--per_device_train_batch_size", "2", "--ref_ema", "0.5",
+                             "--min_pixels", "784", "--max_pixels", "3136"])   # the colour task's images: 4 tokens
+    cfg = model.ds_config(args, 1, world, False)
+    keep = HfDeepSpeedConfig(cfg)   # noqa: F841  alive while the models load
+    engine, *_ = deepspeed.initialize(model=(policy := model.load_model(args.model, args, torch.float32)),
+                                      model_parameters=list(policy.parameters()), config=cfg)
+    ref = model.load_reference(args, torch.float32, model.reference_config(cfg, args.ref_offload))
+    b = batch_of("qwen2_5_vl", args, image=True)
+    ts = engine(**b)
+    engine.backward(-ts.logps.sum() * 100)   # one optimizer step takes the policy away from the reference
+    engine.step()
+    named, pol = list(ref.module.named_parameters()), dict(engine.module.named_parameters())
+    with torch.no_grad():
+        ref(**b)   # DeepSpeed's first forward traces the module and releases all; from the second, persistent ones stay
+        want, before = engine(**b).logps, ref(**b).logps   # gathered whole on every rank
+        for n, p in named:   # the naive edit: every partition copied, the whole copies on each rank left as they are
+            p.ds_tensor.data.copy_(pol[n].ds_tensor.data)
+        naive = ref(**b).logps
+        model.update_params([p for _, p in named], [[pol[n]] for n, _ in named], lambda r, s: r.copy_(s))
+        edited = ref(**b).logps
+        # an EMA step in fp32 masters (as learner.reference_step keeps them beside bf16), then the reference's own state
+        masters = [p.ds_tensor.detach().float().clone() + 1.0 for _, p in named]
+        model.update_params([p for _, p in named], [[pol[n], m] for (n, _), m in zip(named, masters)],
+                            lambda r, p, m: r.copy_(m.lerp_(p.float(), 0.5)))
+        torch.save(checkpoint.reference_parts(ref, masters), os.path.join(out, f"reference{rank}.pt"))
+        full = {}
+        for n, p in named:
+            with deepspeed.zero.GatheredParameters([p]):
+                full[n] = p.detach().clone()
+        if rank == 0:
+            torch.save(full, os.path.join(out, "full.pt"))
+    persistent = sum(p.ds_persist for _, p in named)
+    print(f"RESULT rank {rank} persistent {persistent}/{len(named)} naive {(naive - want).abs().max().item():.3e} "
+          f"before {(before - want).abs().max().item():.3e} edited {(edited - want).abs().max().item():.3e}",
+          flush=True)
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_rank_reference(tmp_path_factory):
-    """The two-rank run of ZERO3_REFERENCE: its output folder and each rank's RESULT line."""
+    """The two-rank run of _zero3_reference: its output folder and each rank's RESULT line."""
     out = tmp_path_factory.mktemp("zero3_reference")
-    script = out / "script.py"
-    script.write_text(ZERO3_REFERENCE)
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
-             for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:   # a rank that timed out (or its partner) does not outlive the test
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    logs, code = forked_ranks(_zero3_reference, free_port(), str(out))
+    assert code == 0, "\n".join(log[-3000:] for log in logs)
     return out, [next(line for line in log.splitlines() if line.startswith("RESULT")) for log in logs]
 
 
@@ -111,11 +101,6 @@ def test_the_reference_state_goes_to_another_number_of_ranks(two_rank_reference,
     """A moving reference's own state, saved as each rank's parts (checkpoint.reference_parts) by two ranks, loads
     into one rank (checkpoint.load_reference joins the slices and takes this rank's): every parameter equals the
     two ranks' gathered whole, and so do the fp32 masters beside it."""
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    import checkpoint
-    import model
     out, _ = two_rank_reference
     deepspeed.init_distributed(dist_backend="gloo")
     args = train.parse_args(["--model", tiny_default[0], "--per_device_train_batch_size", "2", "--ref_ema", "0.5"])
@@ -451,7 +436,6 @@ def test_a_forks_state_resumes_exactly_kl_controller_reference_resets_curriculum
 
     from test_resume import SAME
 
-    import checkpoint
     from conftest import FAST, launch
     small = tmp_path / "train.jsonl"
     small.write_text("".join(open(tiny_default[1]).readlines()[:12]))

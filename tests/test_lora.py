@@ -4,6 +4,7 @@ engine (ZeRO-3, one gloo rank) giving a frozen tower no gradient and no optimize
 sync's agreement with vLLM is in test_vllm_agreement.py; the 2-process run, resume and export in
 test_resume.py."""
 import copy
+import functools
 import types
 
 import pytest
@@ -23,9 +24,14 @@ def tiny(arch="qwen2_5_vl", *flags):
     return args, model_dir, train_jsonl, dtype
 
 
-def batch_of(model_dir, train_jsonl, args):
+@functools.cache
+def processor_of(model_dir):
     from transformers import AutoProcessor
-    processor = AutoProcessor.from_pretrained(model_dir)
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def batch_of(model_dir, train_jsonl, args):
+    processor = processor_of(model_dir)
     samples = [data.prepare(row, processor, args) for row in data.read_jsonl(train_jsonl)[:2]]
     return data.collate(samples, [[5, 6, 7], [8, 9]], processor.tokenizer.pad_token_id or 0, [])
 
@@ -103,7 +109,7 @@ def test_the_reference_is_the_base_model_with_the_adapter_off(arch):
     args, model_dir, train_jsonl, dtype = tiny(arch, "--use_peft")
     batch = batch_of(model_dir, train_jsonl, args)
     reference = model_py.load_model(model_dir, args, dtype).eval()
-    peft = model_py.trainable(model_py.load_model(model_dir, args, dtype), args).eval()
+    peft = model_py.trainable(copy.deepcopy(reference), args).eval()   # the same load, adapted
     perturb_adapter(peft)
     with torch.no_grad():
         want = reference(**batch).logps

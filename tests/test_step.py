@@ -770,10 +770,9 @@ def _two_rank_worker(rank, port, out_dir):
 
 
 def test_tp_slices_by_each_ranks_offset_and_broken_invariants_raise(tmp_path):
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-    mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    from conftest import forked_ranks, free_port
+    outs, code = forked_ranks(_two_rank_worker, free_port(), str(tmp_path))
+    assert code == 0, [o[-3000:] for o in outs]
     for rank in (0, 1):
         r = json.load(open(tmp_path / f"rank{rank}.json"))
         assert r["tp_outputs"] == r["tp_expected"]            # rank 1 used to get rank 0's third output
