@@ -267,8 +267,14 @@ def report_oom(exc, phase=None, table=None):
     return 3
 
 
-if __name__ == "__main__":   # python memory.py plan [train.py's flags] --gpus_per_node 8 --gpu_gb 80 --host_gb 1024
-    if sys.argv[1:2] != ["plan"]:
+def main(argv):
+    """`python memory.py plan [train.py's flags] --gpus_per_node 8 --gpu_gb 80 --host_gb 1024` -> the plan's exit
+    code (planner.main)."""
+    if argv[:1] != ["plan"]:
         sys.exit("usage: python memory.py plan [train.py's flags] --gpus_per_node N --gpu_gb G --host_gb H "
                  "[--nodes K] [--cpu]")
-    sys.exit(planner.main(sys.argv[2:]))
+    return planner.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

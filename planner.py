@@ -12,6 +12,7 @@ are closed forms counted from the tensors each layer saves. docs/memory.md says 
 checked. Left out: pipeline parallelism, fragmentation (a margin stands in for it).
 """
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -199,11 +200,13 @@ def sleep_copy_bytes(tensors, p, tp):
     return large + mid + small
 
 
-def model_shape(name):
+def model_shape(name, once=True):
     """A model dir (config.json) or a BUILTIN name -> {size: count} of what memory depends on, in parameters,
     widths and layers. n counts every expert, n_active what one token runs through; L_attn only the full-attention
     layers (Qwen3.5's linear-attention layers keep linear_state instead); I is the MLP width a token sees;
-    moe_block is the largest sparse block, which ZeRO-3 gathers whole."""
+    moe_block is the largest sparse block, which ZeRO-3 gathers whole. A BUILTIN is counted once (once=False: now)."""
+    if once and not os.path.isdir(str(name)):
+        return copy.deepcopy(builtin_shape(builtin_name(name)))
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -249,6 +252,11 @@ def model_shape(name):
                 head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, V=t.vocab_size,
                 vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads,
                 out_h=v.out_hidden_size, linear_state=state)
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_shape(key):   # model_shape hands out copies: building the meta model is most of a plan's time
+    return model_shape(key, once=False)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -405,6 +413,12 @@ def zero_states(s, args, cluster, cfg):
     return terms, where, {"cpu_mem": cpu_mem, "gpu_mem": gpu_mem, "largest_layer_memory": largest}
 
 
+def with_values(args, **values):   # a copy of the flags with `values` set (copy.copy: the planner makes thousands)
+    a = copy.copy(args)
+    vars(a).update(values)
+    return a
+
+
 def plan(args, cluster, s=None):
     """-> {"phases": {phase: {"gpu": {term: bytes}, "host": {term: bytes}}}, "shape", "notes", ...}.
     gpu: one GPU (one rank); host: one node (all its ranks). For the CPU stack (cluster.cuda False)
@@ -413,8 +427,7 @@ def plan(args, cluster, s=None):
     world, ranks, tp = cluster.gpus_per_node * cluster.nodes, cluster.gpus_per_node, args.vllm_tensor_parallel_size
     p = 2 if model.use_bf16(args, {"model_type": s["model_type"]}, cluster.cuda) else 4
     mb = flags.micro_batch(args, world)
-    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": mb}), 1, world,
-                          bf16=p == 2, cuda=cluster.cuda)
+    cfg = model.ds_config(with_values(args, per_device_train_batch_size=mb), 1, world, bf16=p == 2, cuda=cluster.cuda)
     terms, where, ds = zero_states(s, args, cluster, cfg)
     w = workload(args, s, mb)
     # no checkpoint phase when nothing is saved (a preemption still writes one, unplanned: said in the notes)
@@ -796,7 +809,7 @@ def levers(args, cluster, s, base=None):
     base = worst(base or plan(args, cluster, s), cluster)
     out = []
     for name, change, other in lever_list(args, cluster, s):
-        a, c = argparse.Namespace(**{**vars(args), **change}), other or cluster
+        a, c = with_values(args, **change), other or cluster
         try:
             flags.check_args(a, c.gpus_per_node * c.nodes, c.gpus_per_node, c.cuda)
         except SystemExit:
@@ -845,8 +858,7 @@ def not_run_on_gpu(a, cluster, s):
 
 def static_offload(args, cluster):
     """The run's static ZeRO-3 offload (model.ds_config): "all", "optimizer" or "none"."""
-    cfg = model.ds_config(argparse.Namespace(**{**vars(args), "per_device_train_batch_size": 1}), 1, 1, bf16=False,
-                          cuda=cluster.cuda)
+    cfg = model.ds_config(with_values(args, per_device_train_batch_size=1), 1, 1, bf16=False, cuda=cluster.cuda)
     zo = cfg.get("zero_optimization", {})
     cpu = lambda key: zo.get(key, {}).get("device", "none") == "cpu"   # noqa: E731
     return "all" if cpu("offload_param") else "optimizer" if cpu("offload_optimizer") else "none"
@@ -929,7 +941,7 @@ def candidates(args, cluster):
         if k in getattr(args, "explicit", ()) or not opts[k]:
             opts[k] = (getattr(args, k),)
     for values in itertools.product(*opts.values()):
-        a = argparse.Namespace(**{**vars(args), **dict(zip(opts, values))})
+        a = with_values(args, **dict(zip(opts, values)))
         try:
             flags.check_args(a, world, cluster.gpus_per_node, cluster.cuda)
         except SystemExit:
@@ -974,8 +986,7 @@ def as_run(args, cluster):
     """args with the levers a launch decides later set to their values: the micro-batch (flags.micro_batch) and the
     static offload (static_offload); every lever free (explicit empty)."""
     mb = flags.micro_batch(args, cluster.gpus_per_node * cluster.nodes)
-    return argparse.Namespace(**{**vars(args), "explicit": [], "per_device_train_batch_size": mb,
-                                 "zero_offload": static_offload(args, cluster)})
+    return with_values(args, explicit=[], per_device_train_batch_size=mb, zero_offload=static_offload(args, cluster))
 
 
 def faster(args, cluster, s):
@@ -1011,7 +1022,7 @@ def render_choice(args, cluster, s=None):
                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     shown = {}   # the fastest of each kind: set-ups that differ only in vLLM's share are one line
     for a, secs, why in rejected:
-        kind = lever_flags(argparse.Namespace(**{**vars(a), "vllm_gpu_memory_utilization": 0}), cuda=cluster.cuda)
+        kind = lever_flags(with_values(a, vllm_gpu_memory_utilization=0), cuda=cluster.cuda)
         shown.setdefault(kind, (a, secs, why))
     if shown:
         lines.append(f"  faster set-ups that do not fit ({len(rejected)}; the 5 fastest kinds, each with the levers "
@@ -1029,7 +1040,7 @@ def decide(args, cluster, verbose=True, exit_if_none=True):
         raise SystemExit(text + "\n[memory auto] refusing to start; pass --skip_memory_preflight if you know better")
     if verbose:   # a choice's plan is printed by the preflight (or --plan) next
         print(text if chosen is None else text.split("\n[plan]")[0], flush=True)
-    return args if chosen is None else argparse.Namespace(**{**vars(chosen), "memory": "manual"})
+    return args if chosen is None else with_values(chosen, memory="manual")
 
 
 def gb(x):
@@ -1040,7 +1051,7 @@ def gb(x):
 def auto_line(args, cluster, s):
     """The line naming what --memory auto would run instead, every lever free, and one naming what of it has not
     run on a GPU."""
-    free = argparse.Namespace(**{**vars(args), "explicit": [k for k in getattr(args, "explicit", ()) if k not in AUTO]})
+    free = with_values(args, explicit=[k for k in getattr(args, "explicit", ()) if k not in AUTO])
     chosen, _, _ = choose(free, cluster, s)
     if chosen is None:
         return "[plan] --memory auto finds no set-up of its levers that fits either"
