@@ -30,6 +30,7 @@ docs/step.md, "Rewards", has the details.
 """
 import collections
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -220,7 +221,12 @@ def likelihood(completions, scorer, **kwargs):
 
 def asks_for_model(name):
     """Whether reward `name` takes a `scorer`."""
-    return "scorer" in inspect.signature(REWARDS[name]).parameters
+    return takes_scorer(REWARDS[name])
+
+
+@functools.lru_cache(maxsize=None)
+def takes_scorer(fn):   # the planner checks the flags of every set-up it tries: inspect's signature is slow
+    return "scorer" in inspect.signature(fn).parameters
 
 
 REWARDS = {"accuracy": accuracy, "format": format, "iou": iou, "length_penalty": length_penalty,
