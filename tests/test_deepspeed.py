@@ -306,33 +306,26 @@ def _widths(rank, port, model_dir, train_jsonl, modes):
         print("STEPPED", mode, rank, [b["chunks"] for b in batches], engine.global_steps, flush=True)
 
 
-@pytest.fixture(scope="module")
-def stepped(tiny_default):
-    """(each rank's output, their exit code: None if still running after 600 s) of the three modes in one pair of
-    ranks forked after the imports: even and budget, which complete, then uneven, which aborts the group."""
-    from conftest import forked_ranks, free_port
-    # a hang, not a slow machine: 90 s failed beside other jobs
-    return forked_ranks(_widths, free_port(), tiny_default[0], tiny_default[1], "even,budget,uneven", timeout=600)
-
-
-@pytest.mark.parametrize("mode", ["even", "uneven", "budget"])
-def test_ranks_with_different_widths_make_as_many_calls(stepped, mode):
+def test_ranks_with_different_widths_make_as_many_calls(tiny_default):
     """No global padding, on two ranks with every parameter partitioned (ZeRO-3) and one token per
     log-prob chunk. even: micro-batches of 2 and 10 completion tokens; train.micro_batches gives both
     ranks 10 chunks and the step completes. uneven: each rank with its own count (2 and 10) is what that
     prevents: ZeRO-3's gathers of lm_head no longer pair up, and gloo aborts ("Is there a distributed
     collective mismatch") where NCCL would hang. budget (--micro_batch_tokens): rank 0's sequences fit one
     micro-batch and rank 1's need two; rank 0 splits its own, and both ranks take one optimizer step over
-    their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas)."""
-    outs, code = stepped
-    expect = {"even": "[10, 10] 1", "budget": "[3, 30] 1"}.get(mode)
-    if expect:
+    their two micro-batches (DeepSpeed's accumulation boundary set at the last, not counted from gas). The three
+    modes run in one pair of ranks forked after the imports (uneven last: it aborts the group), one test: a module
+    fixture shared by three tests is built again by each pytest worker that runs one of them."""
+    from conftest import forked_ranks, free_port
+    # a hang, not a slow machine: 90 s failed beside other jobs
+    outs, code = forked_ranks(_widths, free_port(), tiny_default[0], tiny_default[1], "even,budget,uneven",
+                              timeout=600)
+    for mode, expect in (("even", "[10, 10] 1"), ("budget", "[3, 30] 1")):
         assert all(f"STEPPED {mode} {r} {expect}" in o for r, o in enumerate(outs)), [o[-2000:] for o in outs]
-    else:
-        uneven = [o.partition(f"START uneven {r}\n") for r, o in enumerate(outs)]
-        assert all(started for _, started, _ in uneven), [o[-1500:] for o in outs]
-        said = "".join(said for *_, said in uneven)   # what the ranks said in the uneven run alone
-        assert code is None or "collective mismatch" in said, [o[-1500:] for o in outs]
+    uneven = [o.partition(f"START uneven {r}\n") for r, o in enumerate(outs)]
+    assert all(started for _, started, _ in uneven), [o[-1500:] for o in outs]
+    said = "".join(said for *_, said in uneven)   # what the ranks said in the uneven run alone
+    assert code is None or "collective mismatch" in said, [o[-1500:] for o in outs]
 
 
 def test_test_ports_are_below_the_ephemeral_range_and_apart_per_process():

@@ -296,39 +296,17 @@ def cpu_peak(fn):
     return out, max(allocated)
 
 
-@pytest.fixture(scope="module")
-def realsize_cpu(world1):
-    """gpu_check.realsize_update on CPU at small_3b(2), each layout with checkpointing on and off, model.load_model
-    watched (its real signature bound) -> (config, cases, groups, the figures, per model it built the forward
-    functions of its vision tower's attention modules after the run). One run for both realsize tests: each case is a
-    whole update at real widths."""
-    import inspect
-
-    built, real = [], model.load_model
-
-    def load_model(*a, **k):
-        inspect.signature(real).bind(*a, **k)
-        built.append(real(*a, **k))
-        return built[-1]
-    config = small_3b(2)
-    groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
-    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model, "load_model", load_model)
-        out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
-    attention = [[getattr(m.forward, "__func__", None) for m in hf.model.visual.modules()
-                  if type(m).__name__.endswith("VisionAttention")] for hf in built]   # the models themselves let go
-    return config, cases, groups, out, attention
-
-
-def test_realsize_runs_on_cpu_and_lands_on_the_plan(realsize_cpu):
+def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     """The realsize item's code path (gpu_check.realsize_update) on CPU at a small real size: Qwen2.5-VL-3B's widths
     (text, vision) with 2 decoder layers, 2 vision blocks and a 32,000-token vocabulary, one prompt of ~160 tokens
     (an image of ~110 merged tokens) and 4 completions, bf16, each layout with checkpointing on and off. Every case
     reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
     within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
     plan says cannot fit is reported, not run."""
-    config, cases, groups, out, _ = realsize_cpu
+    config = small_3b(2)
+    groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
+    cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
+    out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
     assert set(out) == {f"{layout}, gradient checkpointing {'on' if gc else 'off'}" for layout, gc in cases}
     for name, r in out.items():
         assert r["seconds"] > 0 and r["tokens"] > 0 and r["mfu"] is None and r["plan_seconds"] > 0
@@ -419,15 +397,27 @@ def test_the_routing_replay_item_asks_for_a_cut_not_just_no_worse():
     assert "no gap to cut" in gpu_check.replay_verdict(0.0, 0.0)
 
 
-def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_items(realsize_cpu):
+def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_items(world1, monkeypatch):
     """realsize_update builds its model through model.load_model (called with its real signature), as train.py does:
     the vision tower's attention modules run model.vision_attention (one call per layer), not transformers' loop over
     windows, and each case reports the attention that ran. The realsize item runs after the vLLM items (whose import
     turns cuDNN attention off, as in train.py). Fails before: the model came from from_config with transformers' own
     attention, and realsize ran before the vLLM items."""
-    *_, out, attention = realsize_cpu
-    assert len(attention) == 1   # one model built
-    assert len(attention[0]) == 2 and all(forward is model.vision_attention for forward in attention[0])
+    import inspect
+
+    built, real = [], model.load_model
+
+    def load_model(*a, **k):
+        inspect.signature(real).bind(*a, **k)
+        built.append(real(*a, **k))
+        return built[-1]
+    monkeypatch.setattr(model, "load_model", load_model)
+    config = small_3b(1)
+    groups = gpu_check.realsize_groups(config, 1, 2, (60, 70), (20, 30), (5, 10))
+    out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", peak=cpu_peak)
+    assert len(built) == 1
+    attn = [m for m in built[0].model.visual.modules() if type(m).__name__.endswith("VisionAttention")]
+    assert len(attn) == 2 and all(m.forward.__func__ is model.vision_attention for m in attn)
     said = out["standard, gradient checkpointing on"]["attention"]
     assert said["text"] == said["vision"] == "sdpa" and said["vision_one_call"] is True, said
     assert set(said["sdpa_backends"]) == {"cudnn", "flash", "mem_efficient", "math"}
