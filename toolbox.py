@@ -351,7 +351,7 @@ def rollout(samples, n, processor, args, add_requests, engine_step):
     end_call = processor.tokenizer.convert_tokens_to_ids("</tool_call>")
     trajs = [[dict(ids=[], vllm_ids=[], mask=[], logps=[], mm_types=[], images=[], image_ids=[], mm=[], turns=[],
                    calls=[], model_tokens=0, finish_reason=None) for _ in range(n)] for _ in samples]
-    asked, rendered = {}, {}   # a request's id -> the (sample, trajectory) pairs it stands for; answer's templates
+    asked = {}   # a request's id -> the (sample, trajectory) pairs it stands for
 
     def add(live):
         # a sample's trajectories that hold the same tokens and images go as one request with as many samples (vLLM
@@ -392,19 +392,19 @@ def rollout(samples, n, processor, args, add_requests, engine_step):
                 else:
                     pending.append((t, samples[i], (i, k)))
         if pending:
-            answer([(t, sample) for t, sample, _ in pending], processor, args, rendered)
+            answer([(t, sample) for t, sample, _ in pending], processor, args)
         add([ik for *_, ik in pending])
     return trajs
 
 
-def answer(pending, processor, args, rendered=None):
+def answer(pending, processor, args):
     """Run the call that ended the last turn of each (trajectory, sample) in `pending` and append its tool message in
     two forms: vLLM's (one <|image_pad|> per image) and the training forward's (expanded), out of the loss. A call
-    repeated on one sample runs once and its trajectories share its images; one processor call serves them all. A
-    result past --limit_images keeps its text only (IMAGE_LIMIT). `rendered`: the rollout's templates so far."""
+    repeated on one sample runs once and its trajectories share its images; one processor call serves the turn. A
+    result past --limit_images keeps its text only (IMAGE_LIMIT)."""
     ran, messages, which = {}, {}, []   # (sample, call) -> its result; (text, images) -> (its row, text, images)
-    rendered = {} if rendered is None else rendered   # a message's text parts, None an image -> its text (response)
-    for t, sample in pending:   # every distinct call starts at once: their time-outs overlap
+    rendered = {}   # a message's text parts, None for each image -> its template text (response)
+    for t, sample in pending:   # every distinct call of the turn starts at once: their time-outs overlap
         if (id(sample), t["turns"][-1]) not in ran:
             ran[id(sample), t["turns"][-1]] = start_call(t["turns"][-1], sample, sample["tools"])
     deadline = time.monotonic() + TOOL_TIME_S
