@@ -149,18 +149,18 @@ def test_epsilon_high_clips_the_ratio_above(parts, tmp_path):
 
 def test_max_turns_ends_a_trajectory_that_keeps_calling():
     """A policy that calls the crop at every turn: --max_turns turns, a call answered after each but the last."""
-    from test_tools import fake_vllm, sample_of
+    from test_tools import sample_of
     s, processor, zoom = sample_of()
     ids = processor.tokenizer(tiny.zoom_call(s["images"][0].width), add_special_tokens=False)["input_ids"]
     assert ids[-1] == processor.tokenizer.convert_tokens_to_ids("</tool_call>")
 
-    def generate(requests, keys, counts):
+    def generate(requests, keys, budgets, stops, counts):
         out = types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
                                     finish_reason="stop")
-        return [[out] * n for n in counts]
+        return [types.SimpleNamespace(outputs=[out] * n) for n in counts]
     for argv in ([], ["--max_turns", "3"]):   # the zoom task's own: 2
         args = train.parse_args(["--tiny_task", "zoom", "--max_completion_length", "200", *argv])
-        (trajs,) = toolbox.rollout([s], 2, processor, args, *fake_vllm(generate))
+        (trajs,) = toolbox.rollout([s], 2, processor, args, generate, lambda count: count > 0)
         assert [(len(t["turns"]), len(t["calls"])) for t in trajs] == [(args.max_turns, args.max_turns - 1)] * 2
     assert zoom.max_turns == 2
 

