@@ -200,13 +200,23 @@ def sleep_copy_bytes(tensors, p, tp):
     return large + mid + small
 
 
-def model_shape(name, once=True):
+def model_shape(name):
     """A model dir (config.json) or a BUILTIN name -> {size: count} of what memory depends on, in parameters,
     widths and layers. n counts every expert, n_active what one token runs through; L_attn only the full-attention
     layers (Qwen3.5's linear-attention layers keep linear_state instead); I is the MLP width a token sees;
-    moe_block is the largest sparse block, which ZeRO-3 gathers whole. A BUILTIN is counted once (once=False: now)."""
-    if once and not os.path.isdir(str(name)):
-        return copy.deepcopy(builtin_shape(builtin_name(name)))
+    moe_block is the largest sparse block, which ZeRO-3 gathers whole. A BUILTIN is counted once a process."""
+    if os.path.isdir(str(name)):
+        return counted_shape(name)
+    return copy.deepcopy(builtin_shape(builtin_name(name)))
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_shape(key):   # model_shape hands out copies: building the meta model is most of a plan's time
+    return counted_shape(key)
+
+
+def counted_shape(name):
+    """model_shape's counts, from a meta model built of the config now."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -252,11 +262,6 @@ def model_shape(name, once=True):
                 head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, V=t.vocab_size,
                 vh=v.hidden_size, vi=v.intermediate_size, vdepth=v.depth, vheads=v.num_heads,
                 out_h=v.out_hidden_size, linear_state=state)
-
-
-@functools.lru_cache(maxsize=None)
-def builtin_shape(key):   # model_shape hands out copies: building the meta model is most of a plan's time
-    return model_shape(key, once=False)
 
 
 # ----------------------------------------------------------------------------- activations
