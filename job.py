@@ -5,11 +5,13 @@ A kill can come at any instant: every file rewritten in place goes through write
 the locks and /dev/shm segments that no live process holds. A preemption signal sets a flag; train.py then
 checkpoints the step and exits PREEMPTED (75).
 """
+import atexit
 import json
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -130,6 +132,44 @@ def remove_shm_buffer(rank):
            f"{os.environ.get('MASTER_PORT')}_{rank}"
     if os.path.exists(name):
         os.remove(name)
+
+
+# ----------------------------------------------------------------------------- the end of the process
+_at_exit = []   # (function, args) of at_exit: run by the interpreter's exit and by exit_now
+
+
+def at_exit(fn, *args):
+    """Run fn(*args) when this process ends, by an exception or by exit_now."""
+    _at_exit.append((fn, args))
+    atexit.register(fn, *args)
+
+
+def run_then_exit(main):
+    """main(), then exit_now with its SystemExit's code (0 when it returns; a message is printed and exits 1, as
+    Python does). An exception takes Python's own exit, its traceback and teardown."""
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    else:
+        code = None
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    exit_now(code or 0)
+
+
+def exit_now(code):
+    """End this process with `code` without the interpreter's teardown: at_exit's functions, wandb's teardown, the
+    streams flushed, then os._exit. The teardown is seconds a rank: vLLM's shutdown unfreezes its start-up heap and
+    collects it twice, and then the interpreter frees it."""
+    for fn, args in _at_exit:
+        fn(*args)
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------- one job per output folder

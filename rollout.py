@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines
 import torch
 
 import data
+import job
 import memory
 import model as model_py
 import toolbox
@@ -289,7 +290,7 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
     from vllm import LLM
     if not CUDA:
-        vllm_cpu.name_shm_group()
+        job.at_exit(vllm_cpu.remove_shm_group, vllm_cpu.name_shm_group())
         vllm_cpu.quiet_thread_warnings()
     llm = LLM(**engine_kwargs(model_path, args, dtype, max_num_seqs, rank))
     llm.capture_routing = getattr(args, "routing_replay", False) and not CUDA   # generate catches the routing itself

@@ -10,7 +10,6 @@ adds a phase here and a field to Run. `--plan` (print_plan) stops before anythin
 (check_data_alone) after the data check.
 """
 import argparse
-import atexit
 import dataclasses
 import os
 import random
@@ -172,7 +171,7 @@ def distributed(args):
     dist.barrier()
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    atexit.register(job.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
+    job.at_exit(job.remove_shm_buffer, rank)   # DeepSpeed's /dev/shm buffer, ~70 MB, never removed otherwise
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     return rank, world, ranks.local_world(world), device

@@ -739,4 +739,4 @@ def token_of(tokenizer, ids, end):
 
 
 if __name__ == "__main__":
-    main()
+    job.run_then_exit(main)

