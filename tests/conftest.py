@@ -36,6 +36,25 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (-LONGEST.get(item.name, 0), item.get_closest_marker("launch") is None))
 
 
+_status = []   # the session's exit status (pytest_sessionfinish), for pytest_unconfigure
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The process ends here without the interpreter's teardown, as train.py's ranks do (job.exit_now): at exit each
+    vLLM engine the session kept (llm_of) collected the whole heap again, ~10 s of test_vllm_agreement.py's 49. The
+    report is written and the temp folders cleaned by now (pytest_sessionfinish; an xdist worker has sent its
+    results)."""
+    if _status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status[-1])
+
+
 MOE_ARCHS = ["qwen3_vl_moe", "qwen3_5_moe"]   # the mixture-of-experts families (model.FAMILIES sparse_block)
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", *MOE_ARCHS]   # tiny.ARCHS: the families, for tests parametrized over them
 
