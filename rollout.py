@@ -289,6 +289,8 @@ def create_engine(model_path, args, dtype, max_num_seqs, rank):
     """The colocated vLLM engine of this rank. torch.distributed must already be initialised."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher needs it; CPU needs it too
     from vllm import LLM
+    from vllm.distributed.parallel_state import destroy_model_parallel
+    job.at_exit(destroy_model_parallel)   # a TP group's message queue: its /dev/shm ring, unlinked by its creator
     if not CUDA:
         job.at_exit(vllm_cpu.remove_shm_group, vllm_cpu.name_shm_group())
         vllm_cpu.quiet_thread_warnings()

@@ -176,9 +176,8 @@ for rank in range({nprocs}):
         except BaseException:
             traceback.print_exc()
             code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        import job
+        job.exit_now(code)   # as a rank of train.py ends: job.at_exit's clean-up (DeepSpeed's /dev/shm buffer)
     pids.append(pid)
 failed = 0
 while pids:   # a rank that fails takes the others down, as torch.multiprocessing.spawn does

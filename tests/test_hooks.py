@@ -16,6 +16,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 import checkpoint
 import grpo
+import job
 import learner
 import model
 import reward
@@ -31,6 +32,7 @@ def _zero3_reference(rank, port, out):
                       MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
+    job.at_exit(job.remove_shm_buffer, rank)   # as startup.distributed does
     world = dist.get_world_size()
     # the shipped ds_zero3.json: parameters under stage3_param_persistence_threshold (1e5: every one of the tiny
     # model's) stay whole on every rank, and the shards live in host RAM (offload_param cpu)
