@@ -144,6 +144,11 @@ def at_exit(fn, *args):
     atexit.register(fn, *args)
 
 
+def watched():
+    """Whether a tracer or profiler watches this process (coverage's, cProfile's, a debugger's)."""
+    return sys.gettrace() is not None or sys.getprofile() is not None
+
+
 def run_then_exit(main):
     """main(), then exit_now with its SystemExit's code (0 when it returns; a message is printed and exits 1, as
     Python does). An exception takes Python's own exit, its traceback and teardown."""
@@ -162,7 +167,10 @@ def run_then_exit(main):
 def exit_now(code):
     """End this process with `code` without the interpreter's teardown: at_exit's functions, wandb's teardown, the
     streams flushed, then os._exit. The teardown is seconds a rank: vLLM's shutdown unfreezes its start-up heap and
-    collects it twice, and then the interpreter frees it."""
+    collects it twice, and then the interpreter frees it. Under a tracer or profiler (coverage, cProfile), which
+    write their data at the normal exit, the normal exit."""
+    if watched():
+        sys.exit(code)
     for fn, args in _at_exit:
         fn(*args)
     if "wandb" in sys.modules:

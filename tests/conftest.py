@@ -48,8 +48,9 @@ def pytest_unconfigure(config):
     """The process ends here without the interpreter's teardown, as train.py's ranks do (job.exit_now): at exit each
     vLLM engine the session kept (llm_of) collected the whole heap again, ~10 s of test_vllm_agreement.py's 49. The
     report is written and the temp folders cleaned by now (pytest_sessionfinish; an xdist worker has sent its
-    results)."""
-    if _status:
+    results). Not under coverage or cProfile, which write their data at the normal exit (job.watched)."""
+    import job
+    if _status and not job.watched():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status[-1])

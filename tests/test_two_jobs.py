@@ -211,3 +211,13 @@ def test_a_rank_exits_with_its_code_and_its_own_clean_up_without_the_interpreter
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert (r.returncode, r.stdout, r.stderr.strip()) == (code, "printedours\n", said), (r.stdout, r.stderr)
+
+
+def test_a_rank_under_a_tracer_exits_through_pythons_teardown(tmp_path):
+    """Under coverage or cProfile (a tracer or profiler set), job.exit_now leaves through Python's own exit, where
+    they write their data: the other library's atexit function runs, after ours."""
+    script = ("import atexit, sys\nimport job\natexit.register(print, 'teardown')\njob.at_exit(print, 'ours')\n"
+              "sys.setprofile(lambda *a: None)\njob.run_then_exit(lambda: sys.exit(75))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert (r.returncode, r.stdout) == (75, "ours\nteardown\n"), (r.stdout, r.stderr)
