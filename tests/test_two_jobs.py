@@ -200,7 +200,7 @@ def test_two_nodes_train_validate_checkpoint_preempt_and_resume_exactly(tmp_path
 
 @pytest.mark.parametrize("end, code, said", [("None", 0, ""), ("sys.exit(75)", 75, ""),
                                              ("sys.exit('error: a refusal')", 1, "error: a refusal")])
-def test_a_rank_exits_with_its_code_and_its_own_clean_up_without_the_interpreters_teardown(tmp_path, end, code, said):
+def test_a_rank_exits_with_its_code_and_its_own_clean_up_without_the_interpreters_teardown(end, code, said):
     """train.py ends through job.run_then_exit: the teardown of a rank with a vLLM engine took ~5 s of a two-step
     tiny launch's ~26 (vLLM's shutdown collects its start-up heap twice, then the interpreter frees it), and every
     launch paid it. The exit keeps SystemExit's code and message, runs job.at_exit's functions (DeepSpeed's
@@ -213,7 +213,7 @@ def test_a_rank_exits_with_its_code_and_its_own_clean_up_without_the_interpreter
     assert (r.returncode, r.stdout, r.stderr.strip()) == (code, "printedours\n", said), (r.stdout, r.stderr)
 
 
-def test_a_rank_under_a_tracer_exits_through_pythons_teardown(tmp_path):
+def test_a_rank_under_a_tracer_exits_through_pythons_teardown():
     """Under coverage or cProfile (a tracer or profiler set), job.exit_now leaves through Python's own exit, where
     they write their data: the other library's atexit function runs, after ours."""
     script = ("import atexit, sys\nimport job\natexit.register(print, 'teardown')\njob.at_exit(print, 'ours')\n"
