@@ -1,6 +1,7 @@
 """memory.py: OOM detection and diagnosis, and the per-phase measurements (the plan: test_planner.py)."""
 import errno
 import json
+import mmap
 import types
 
 import pytest
@@ -153,8 +154,11 @@ def test_a_failed_pinned_allocation_gets_host_advice():
 def test_phase_peak_rss_sees_transients_and_nested_phases():
     log = {}
     with memory.phase("outer", log):
-        big = bytearray(200 * 2 ** 20)     # 200 MB, touched
-        del big
+        # 200 MB mapped fresh, every page touched, then unmapped. Not a bytearray: malloc serves that from
+        # free pages already in the heap when a long-lived worker has them, and RSS would not move.
+        big = mmap.mmap(-1, 200 * 2 ** 20)
+        big[::mmap.PAGESIZE] = b"\1" * (len(big) // mmap.PAGESIZE)
+        big.close()
         with memory.phase("inner", log):
             pass
     if "mem/outer/host_peak_gb" not in log:
