@@ -299,12 +299,12 @@ def cpu_peak(fn):
 def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     """The realsize item's code path (gpu_check.realsize_update) on CPU at a small real size: Qwen2.5-VL-3B's widths
     (text, vision) with 2 decoder layers, 2 vision blocks and a 32,000-token vocabulary, one prompt of ~160 tokens
-    (an image of ~110 merged tokens) and 4 completions, bf16, each layout with checkpointing on and off. Every case
+    (an image of ~110 merged tokens) and 2 completions, bf16, each layout with checkpointing on and off. Every case
     reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
     within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
     plan says cannot fit is reported, not run."""
     config = small_3b(2)
-    groups = gpu_check.realsize_groups(config, 1, 4, (150, 170), (40, 50), (30, 60))
+    groups = gpu_check.realsize_groups(config, 1, 2, (150, 170), (40, 50), (30, 60))
     cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
     out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
     assert set(out) == {f"{layout}, gradient checkpointing {'on' if gc else 'off'}" for layout, gc in cases}
