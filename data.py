@@ -119,7 +119,8 @@ def open_image(source, name=None, max_pixels=None):
                 im = im.convert("RGBA")
                 bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
                 im = Image.alpha_composite(bg, im)
-            im = im.convert("RGB")
+            if im.mode != "RGB":   # exif_transpose made a new image: convert would copy it again
+                im = im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"image {name}: {type(e).__name__}: {e}") from None
     im.info["original_size"] = size

@@ -323,7 +323,7 @@ def tool_image(image, sample, name):
     if image.width * image.height > MAX_TOOL_IMAGE_PIXELS:
         raise ValueError(f"{name} returned a {image.width} x {image.height} image, more than {MAX_TOOL_IMAGE_PIXELS} "
                          f"pixels (PIL's bound on a decoded image)")
-    if image.mode == "RGB" and image.getexif().get(0x0112, 1) == 1:   # open_image would only copy it, twice
+    if image.mode == "RGB" and image.getexif().get(0x0112, 1) == 1:   # open_image would only copy it
         return data.downscale(image, *sample["pixel_bounds"])
     return data.load_image(image, *sample["pixel_bounds"], name=f"the image {name} returned")
 
