@@ -51,15 +51,19 @@ def gpu_figures(device, allocated, reserved, peak, vllm_allocations, pinned):
             "host_pinned_gb": pinned / GB}
 
 
+_peak_resets = [True]   # False once a reset was refused: VmHWM is then the process's lifetime peak, not a phase's
+
+
 def proc_status():
-    """Linux: this process's {"peak": VmHWM since reset_peak, "anon": RssAnon} in bytes; {} elsewhere."""
+    """Linux: this process's {"peak": VmHWM since reset_peak, "anon": RssAnon} in bytes, "peak" left out where
+    reset_peak was refused; {} elsewhere."""
     try:
         with open("/proc/self/status") as f:
             st = dict(line.split(":", 1) for line in f if line.startswith(("VmHWM", "RssAnon")))
     except OSError:
         return {}
     kb = {k: int(v.split()[0]) * 1024 for k, v in st.items()}
-    return {"peak": kb.get("VmHWM", 0), "anon": kb.get("RssAnon", 0)}
+    return {**({"peak": kb.get("VmHWM", 0)} if _peak_resets[0] else {}), "anon": kb.get("RssAnon", 0)}
 
 
 def reset_peak():
@@ -67,8 +71,8 @@ def reset_peak():
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:
-        pass
+    except OSError:   # a sandbox without clear_refs (gVisor), a kernel before 4.0
+        _peak_resets[0] = False
 
 
 def used_bytes():

@@ -167,6 +167,25 @@ def test_phase_peak_rss_sees_transients_and_nested_phases():
     assert log["mem/outer/host_peak_gb"] >= log["mem/outer/host_rss_gb"]
 
 
+def test_a_refused_peak_reset_logs_no_phase_peak(monkeypatch):
+    """Where /proc/self/clear_refs refuses the write, VmHWM is the process's lifetime peak: a phase logs no
+    host_peak_gb rather than that under its name, and its other readings as before."""
+    if not memory.proc_status():
+        pytest.skip("no /proc/self/status here")
+
+    def refusing(path, *a, **k):
+        if path == "/proc/self/clear_refs":
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return open(path, *a, **k)
+    monkeypatch.setattr(memory, "open", refusing, raising=False)
+    monkeypatch.setattr(memory, "_peak_resets", [True])
+    log = {}
+    with memory.phase("rollout", log):
+        pass
+    assert "mem/rollout/host_peak_gb" not in log and log["mem/rollout/host_anon_gb"] > 0
+    assert "mem/rollout/host_rss_gb" in log and "host_peak_gb" not in memory.measure()
+
+
 def test_gpu_check_survives_an_item_that_exits(tmp_path):
     """make gpu-check: check_fused_adam exits (SystemExit, with advice) when FusedAdam will not build; that
     is one failed item, and the items after it still run (it escaped `except Exception` and ended the check)."""
