@@ -71,7 +71,7 @@ def reset_peak():
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:   # a sandbox without clear_refs (gVisor), a kernel before 4.0
+    except OSError:   # a kernel before 4.0 (clear_refs took "5" from then on), or a sandbox that refuses it
         _peak_resets[0] = False
 
 
