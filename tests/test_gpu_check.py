@@ -289,6 +289,12 @@ def test_sampler_item_body_agrees_on_cpu(tmp_path, llm):
     figures = gpu_check.sampler_agreement(box, llm, policy, "cpu", n=4, max_tokens=4)
     assert set(figures) == {f"top_k={k},top_p={p}" for k, p in gpu_check.TRUNCATIONS}
     assert all(f["logp_diff_max"] < 1e-5 and f["tokens"] >= 8 for f in figures.values()), figures
+# The realsize tests' dtype: bf16, as on a GPU, where this CPU's torch runs bf16 matmuls through oneDNN (AVX-512).
+# Elsewhere (an AVX2 CPU) torch's fallback multiplies two untransposed bf16 matrices, each backward's input gradient,
+# ~200x slower than fp32, so the update runs in fp32 there and the plan is checked at 4 bytes a value.
+CPU_DTYPE = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def cpu_peak(fn):
     """gpu_check.cuda_peak on CPU: fn() -> (its result, the most torch CPU tensor bytes allocated at once above what was
     allocated before)."""
@@ -299,21 +305,22 @@ def cpu_peak(fn):
 def test_realsize_runs_on_cpu_and_lands_on_the_plan(world1):
     """The realsize item's code path (gpu_check.realsize_update) on CPU at a small real size: Qwen2.5-VL-3B's widths
     (text, vision) with 2 decoder layers, 2 vision blocks and a 32,000-token vocabulary, one prompt of ~160 tokens
-    (an image of ~110 merged tokens) and 2 completions, bf16, each layout with checkpointing on and off. Every case
-    reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on CPU, is
-    within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a case the
-    plan says cannot fit is reported, not run."""
+    (an image of ~110 merged tokens) and 2 completions, bf16 (CPU_DTYPE), each layout with checkpointing on and off.
+    Every case reports its time, tokens and the peak above weights and gradients, and that peak, torch's allocator on
+    CPU, is within 10% of planner.update_bytes for the micro-batch that peaked (the CPU check of the update's terms); a
+    case the plan says cannot fit is reported, not run."""
     config = small_3b(2)
     groups = gpu_check.realsize_groups(config, 1, 2, (150, 170), (40, 50), (30, 60))
     cases = [("shared_prefix", True), ("shared_prefix", False), ("standard", True), ("standard", False)]
-    out = gpu_check.realsize_update(config, cases, groups, device="cpu", peak=cpu_peak)
+    out = gpu_check.realsize_update(config, cases, groups, device="cpu", dtype=CPU_DTYPE, peak=cpu_peak)
     assert set(out) == {f"{layout}, gradient checkpointing {'on' if gc else 'off'}" for layout, gc in cases}
     for name, r in out.items():
         assert r["seconds"] > 0 and r["tokens"] > 0 and r["mfu"] is None and r["plan_seconds"] > 0
         assert r["measured_gb"] == pytest.approx(r["plan_gb"]["total"], rel=0.10), (name, r)
     on = {layout: out[f"{layout}, gradient checkpointing on"] for layout in ("shared_prefix", "standard")}
     assert on["shared_prefix"]["tokens"] < on["standard"]["tokens"]
-    skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", peak=cpu_peak, fits=lambda need: False)
+    skipped = gpu_check.realsize_update(config, cases[3:], groups, device="cpu", dtype=CPU_DTYPE, peak=cpu_peak,
+                                        fits=lambda need: False)
     assert "the plan needs" in skipped["standard, gradient checkpointing off"]["skipped"]
 
 
@@ -414,7 +421,7 @@ def test_the_realsize_model_runs_the_projects_vision_attention_after_the_vllm_it
     monkeypatch.setattr(model, "load_model", load_model)
     config = small_3b(1)
     groups = gpu_check.realsize_groups(config, 1, 2, (60, 70), (20, 30), (5, 10))
-    out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", peak=cpu_peak)
+    out = gpu_check.realsize_update(config, [("standard", True)], groups, device="cpu", dtype=CPU_DTYPE, peak=cpu_peak)
     assert len(built) == 1
     attn = [m for m in built[0].model.visual.modules() if type(m).__name__.endswith("VisionAttention")]
     assert len(attn) == 2 and all(m.forward.__func__ is model.vision_attention for m in attn)
