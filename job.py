@@ -6,6 +6,7 @@ the locks and /dev/shm segments that no live process holds. A preemption signal 
 checkpoints the step and exits PREEMPTED (75).
 """
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -57,16 +58,17 @@ def held_files(mapped=False):
     """Real paths of every file some process of ours has open (/proc/<pid>/fd), and with `mapped` also
     mapped (/proc/<pid>/maps)."""
     held = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:   # gone, or not ours: skipped
-                held.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
-                if mapped:
-                    with open(f"/proc/{pid}/maps") as f:
-                        held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f)
-                                    if len(parts) == 6)
-            except OSError:
-                pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:   # gone, or not ours
+            continue
+        for fd in fds:   # one closed since the listing is skipped, not the process (and its maps) with it
+            with contextlib.suppress(OSError):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        if mapped:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+                held.update(parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6)
     return held
 
 

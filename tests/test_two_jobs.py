@@ -97,6 +97,24 @@ def test_stale_vllm_segments_are_removed_and_live_ones_kept(tmp_path):
     assert sorted(removed) == sorted(map(str, dead)) and live.exists() and other.exists()
 
 
+def test_a_segment_stays_held_while_its_holders_fds_come_and_go(tmp_path, monkeypatch):
+    """A busy rank opens and closes files all the time: an fd closed between job.held_files' listing and its
+    readlink skips that fd, not the process, whose maps still hold the segment. Before, one such fd hid every
+    segment the process mapped, and another job's launch could remove a live one."""
+    live = tmp_path / "vlm_grpo_0_127.0.0.1_2-tp:0-[0-1]-cpushm_0"
+    live.write_bytes(b"\0" * 4096)
+    real = os.readlink
+
+    def readlink(path, *a, **k):   # every other process's fds close as they are read
+        if path.startswith("/proc/") and "/fd/" in path and not path.startswith(f"/proc/{os.getpid()}/"):
+            raise FileNotFoundError(path)
+        return real(path, *a, **k)
+    with mapped_elsewhere(live):
+        monkeypatch.setattr(os, "readlink", readlink)
+        removed = job.clear_stale_vllm_shm(str(tmp_path), settle_s=0.01)
+    assert removed == [] and live.exists()
+
+
 def test_a_tp_group_over_two_nodes_is_refused(monkeypatch):
     """vLLM's tensor-parallel groups are consecutive ranks and stay inside a node: a size that does not divide
     the ranks per node (LOCAL_SIZE, from DeepSpeed's per-node launcher) is refused before anything starts."""
