@@ -289,6 +289,8 @@ def test_sampler_item_body_agrees_on_cpu(tmp_path, llm):
     figures = gpu_check.sampler_agreement(box, llm, policy, "cpu", n=4, max_tokens=4)
     assert set(figures) == {f"top_k={k},top_p={p}" for k, p in gpu_check.TRUNCATIONS}
     assert all(f["logp_diff_max"] < 1e-5 and f["tokens"] >= 8 for f in figures.values()), figures
+
+
 # The realsize tests' dtype: bf16, as on a GPU, where this CPU's torch runs bf16 matmuls through oneDNN (AVX-512).
 # Elsewhere (an AVX2 CPU) torch's fallback multiplies two untransposed bf16 matrices, each backward's input gradient,
 # ~200x slower than fp32, so the update runs in fp32 there and the plan is checked at 4 bytes a value.

@@ -87,10 +87,10 @@ def test_two_tp2_jobs_side_by_side_both_finish(tmp_path, tiny_default):
     # worker's TP-2 job swept it first, and the line was in neither log here). The line itself:
     # test_stale_vllm_segments_are_removed_and_live_ones_kept.
     assert not os.path.exists(stale[0])
-    left = set(os.listdir("/dev/shm"))
+    left, shm = set(os.listdir("/dev/shm")), vllm_cpu_shm()
     for _, _, port in jobs:
         mine = {f for f in seen if f.startswith(ident(port) + "-tp")}
-        if vllm_cpu_shm():
+        if shm:
             assert {f"{ident(port)}-tp:0-[0-1]-cpushm_{r}" for r in (0, 1)} <= mine, sorted(seen)   # its own names
         else:   # its tensor-parallel group ran over torch.distributed: no segment but the one planted
             assert mine <= {os.path.basename(stale[0])}, sorted(mine)
