@@ -1,4 +1,5 @@
 """DeepSpeed decisions in-process: the real DeepSpeed engine (ZeRO-3, CPU offload) on one gloo rank."""
+import json
 import os
 import types
 
@@ -73,6 +74,20 @@ def test_offload_flags_change_only_what_they_name():
     assert cfg()["data_types"] == {"grad_accum_dtype": "fp32"}
     fp32 = model.ds_config(train.parse_args(["--per_device_train_batch_size", "4"]), 1, 1, bf16=False)
     assert "data_types" not in fp32
+
+
+def test_an_edited_deepspeed_file_is_read_again_and_each_config_is_its_own(tmp_path):
+    """model.ds_config keeps a JSON file's text per modification time (--memory auto reads it for each set-up it
+    plans): a file written again is read again, and a returned dict edited by its caller changes no later one."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    args = train.parse_args(["--per_device_train_batch_size", "4", "--deepspeed", str(path)])
+    first = model.ds_config(args, 1, 1, bf16=False)
+    first["zero_optimization"]["offload_param"]["device"] = "nvme"
+    assert model.ds_config(args, 1, 1, bf16=False)["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}))
+    os.utime(path, ns=(1, 1))   # another modification time, whatever the filesystem's clock resolution
+    assert model.ds_config(args, 1, 1, bf16=False)["zero_optimization"]["offload_param"] == {"device": "none"}
 
 
 def test_zero_offload_names_the_static_offload_and_the_plan_follows_it():
